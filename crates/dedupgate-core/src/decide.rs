@@ -1,0 +1,344 @@
+//! The one decision: given the stored entry (if any), an operation and the store's clock, what is
+//! the answer and what should be stored next. No I/O. In-process stores call [`decide`] inside
+//! their atomic section; remote stores re-express it in the engine (a Lua script, one SQL
+//! statement) and the conformance suite keeps them equal to it.
+//!
+//! Invariants kept here:
+//! - An entry at or past `expires_at_ms` is absent: never a duplicate, never a holder.
+//! - A fingerprint mismatch (both non-null and different) on a live record is an error and
+//!   changes nothing.
+//! - Fences strictly increase per (namespace, key): a new claim takes
+//!   `max(previous + 1, now_ms * FENCE_PER_MS)`. The previous fence is read from whatever entry is
+//!   still stored (live, expired or a release tombstone); once an entry is gone the clock term
+//!   still exceeds every earlier fence unless one key saw more than [`FENCE_PER_MS`] successful
+//!   claims in one millisecond.
+//! - Only the current token completes, releases or extends; a retried complete or release with the
+//!   token that did it is answered again without a change, so a lost answer is safe to retry.
+
+use crate::error::GateError;
+use crate::model::{Entry, EntryState, RecordId, Token};
+use crate::op::{Claim, Lease, Mark, Op, Outcome};
+
+/// Fence units per millisecond of the store's clock: the headroom of claims per ms per key.
+pub const FENCE_PER_MS: u64 = 1000;
+
+/// What the store must do after a decision.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// Nothing to write.
+    Keep,
+    /// Store this entry under the id (replacing any). Entries are only ever removed by the
+    /// sweeper, once expired, so a fence is never forgotten early.
+    Put(Entry),
+}
+
+/// The answer and the change, which the store applies atomically together.
+#[derive(Debug)]
+pub struct Decision {
+    /// What the caller is told.
+    pub answer: Result<Outcome, GateError>,
+    /// What the store writes before telling it.
+    pub change: Change,
+}
+
+impl Decision {
+    fn keep(answer: Result<Outcome, GateError>) -> Self {
+        Self {
+            answer,
+            change: Change::Keep,
+        }
+    }
+}
+
+/// The fence for a new claim after `previous` (any stored entry's fence) at `now_ms`.
+pub fn next_fence(previous: Option<u64>, now_ms: u64) -> u64 {
+    let from_clock = now_ms.saturating_mul(FENCE_PER_MS);
+    previous.map_or(from_clock, |f| from_clock.max(f.saturating_add(1)))
+}
+
+fn mismatch(stored: &Option<String>, given: &Option<String>) -> bool {
+    matches!((stored, given), (Some(a), Some(b)) if a != b)
+}
+
+/// Decides `op` on `id` whose stored entry is `current`, at `now_ms` on the store's clock.
+/// `fresh_token` is called only when a new claim needs a token.
+pub fn decide(
+    id: &RecordId,
+    op: Op,
+    current: Option<&Entry>,
+    now_ms: u64,
+    fresh_token: impl FnOnce() -> Token,
+) -> Decision {
+    if let Err(e) = op.validate() {
+        return Decision::keep(Err(e.into()));
+    }
+    // The entry that counts: live and not a tombstone. Expired entries are absent.
+    let live = current.filter(|e| e.is_live(now_ms) && e.state != EntryState::Released);
+    let previous_fence = current.map(|e| e.fence);
+    let record = |e: &Entry| {
+        e.to_record(id, now_ms)
+            .expect("a live entry that is not a tombstone has a public record")
+    };
+
+    match op {
+        Op::Claim {
+            ttl_ms,
+            lease_ms,
+            fingerprint,
+            owner,
+        } => {
+            let lease_expires_at_ms = now_ms + lease_ms;
+            let take = |fingerprint, owner| {
+                let token = fresh_token();
+                let fence = next_fence(previous_fence, now_ms);
+                let expires_at_ms = (now_ms + ttl_ms).max(lease_expires_at_ms);
+                let entry = Entry {
+                    state: EntryState::InProgress,
+                    fence,
+                    token: Some(token.clone()),
+                    fingerprint,
+                    owner,
+                    created_at_ms: now_ms,
+                    expires_at_ms,
+                    lease_expires_at_ms: Some(lease_expires_at_ms),
+                    completed_at_ms: None,
+                    result: None,
+                };
+                let lease = Lease {
+                    token,
+                    fence,
+                    lease_expires_at_ms,
+                    expires_at_ms,
+                };
+                Decision {
+                    answer: Ok(Outcome::Claimed(Claim::New(lease))),
+                    change: Change::Put(entry),
+                }
+            };
+            let Some(e) = live else {
+                return take(fingerprint, owner);
+            };
+            if mismatch(&e.fingerprint, &fingerprint) {
+                return Decision::keep(Err(GateError::FingerprintMismatch));
+            }
+            match e.state {
+                EntryState::InProgress if owner.is_some() && e.owner == owner => {
+                    // The same worker again (its first answer was lost): same token and fence.
+                    let mut renewed = e.clone();
+                    renewed.lease_expires_at_ms = Some(lease_expires_at_ms);
+                    renewed.expires_at_ms = e.expires_at_ms.max(lease_expires_at_ms);
+                    let lease = Lease {
+                        token: e
+                            .token
+                            .clone()
+                            .expect("an in_progress entry holds its token"),
+                        fence: e.fence,
+                        lease_expires_at_ms,
+                        expires_at_ms: renewed.expires_at_ms,
+                    };
+                    Decision {
+                        answer: Ok(Outcome::Claimed(Claim::New(lease))),
+                        change: Change::Put(renewed),
+                    }
+                }
+                EntryState::InProgress if lease_passed(e, now_ms) => take(fingerprint, owner),
+                _ => Decision::keep(Ok(Outcome::Claimed(Claim::Duplicate { record: record(e) }))),
+            }
+        }
+
+        Op::Mark {
+            ttl_ms,
+            fingerprint,
+            result,
+        } => {
+            let set = |fingerprint, result| {
+                let entry = Entry {
+                    state: EntryState::Completed,
+                    fence: next_fence(previous_fence, now_ms),
+                    token: None,
+                    fingerprint,
+                    owner: None,
+                    created_at_ms: now_ms,
+                    expires_at_ms: now_ms + ttl_ms,
+                    lease_expires_at_ms: None,
+                    completed_at_ms: Some(now_ms),
+                    result,
+                };
+                let record = record(&entry);
+                Decision {
+                    answer: Ok(Outcome::Marked(Mark::New { record })),
+                    change: Change::Put(entry),
+                }
+            };
+            let Some(e) = live else {
+                return set(fingerprint, result);
+            };
+            if mismatch(&e.fingerprint, &fingerprint) {
+                return Decision::keep(Err(GateError::FingerprintMismatch));
+            }
+            if e.state == EntryState::InProgress && lease_passed(e, now_ms) {
+                return set(fingerprint, result);
+            }
+            Decision::keep(Ok(Outcome::Marked(Mark::Duplicate { record: record(e) })))
+        }
+
+        Op::Complete {
+            token,
+            result,
+            ttl_ms,
+        } => match live {
+            Some(e) if e.token.as_ref() == Some(&token) => match e.state {
+                EntryState::InProgress => {
+                    let mut done = e.clone();
+                    done.state = EntryState::Completed;
+                    done.lease_expires_at_ms = None;
+                    done.completed_at_ms = Some(now_ms);
+                    done.result = result;
+                    if let Some(ttl_ms) = ttl_ms {
+                        done.expires_at_ms = now_ms + ttl_ms;
+                    }
+                    Decision {
+                        answer: Ok(Outcome::Completed(record(&done))),
+                        change: Change::Put(done),
+                    }
+                }
+                // A retried complete whose first answer was lost: answer it, change nothing.
+                _ => Decision::keep(Ok(Outcome::Completed(record(e)))),
+            },
+            _ => Decision::keep(Err(GateError::LeaseLost)),
+        },
+
+        Op::Release { token } => match current.filter(|e| e.is_live(now_ms)) {
+            Some(e) if e.token.as_ref() == Some(&token) => match e.state {
+                EntryState::InProgress => {
+                    let mut tombstone = e.clone();
+                    tombstone.state = EntryState::Released;
+                    tombstone.lease_expires_at_ms = None;
+                    tombstone.result = None;
+                    Decision {
+                        answer: Ok(Outcome::Released),
+                        change: Change::Put(tombstone),
+                    }
+                }
+                EntryState::Released => Decision::keep(Ok(Outcome::Released)),
+                EntryState::Completed => Decision::keep(Err(GateError::LeaseLost)),
+            },
+            _ => Decision::keep(Err(GateError::LeaseLost)),
+        },
+
+        Op::Extend { token, lease_ms } => match live {
+            Some(e) if e.state == EntryState::InProgress && e.token.as_ref() == Some(&token) => {
+                let lease_expires_at_ms = now_ms + lease_ms;
+                let mut extended = e.clone();
+                extended.lease_expires_at_ms = Some(lease_expires_at_ms);
+                extended.expires_at_ms = e.expires_at_ms.max(lease_expires_at_ms);
+                Decision {
+                    answer: Ok(Outcome::Extended {
+                        lease_expires_at_ms,
+                    }),
+                    change: Change::Put(extended),
+                }
+            }
+            _ => Decision::keep(Err(GateError::LeaseLost)),
+        },
+
+        Op::Get => Decision::keep(Ok(Outcome::Found(live.map(record)))),
+
+        // Forgetting leaves a fence-keeping tombstone (like a release) so that a claim in the
+        // same millisecond still gets a higher fence; the tombstone goes at the old expiry.
+        Op::Forget => match live {
+            Some(e) => {
+                let mut tombstone = e.clone();
+                tombstone.state = EntryState::Released;
+                tombstone.token = None;
+                tombstone.lease_expires_at_ms = None;
+                tombstone.result = None;
+                Decision {
+                    answer: Ok(Outcome::Forgotten(true)),
+                    change: Change::Put(tombstone),
+                }
+            }
+            None => Decision::keep(Ok(Outcome::Forgotten(false))),
+        },
+    }
+}
+
+fn lease_passed(e: &Entry, now_ms: u64) -> bool {
+    e.lease_expires_at_ms.is_some_and(|l| now_ms >= l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> RecordId {
+        RecordId::new("ns", "k").unwrap()
+    }
+
+    fn claim(owner: Option<&str>) -> Op {
+        Op::Claim {
+            ttl_ms: 10_000,
+            lease_ms: 1_000,
+            fingerprint: None,
+            owner: owner.map(str::to_owned),
+        }
+    }
+
+    fn put(d: Decision) -> Entry {
+        match d.change {
+            Change::Put(e) => e,
+            other => panic!("expected a put, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn fence_never_goes_back_even_when_the_clock_lags() {
+        assert_eq!(next_fence(None, 5), 5 * FENCE_PER_MS);
+        assert_eq!(next_fence(Some(10_000), 5), 10_001);
+        assert_eq!(next_fence(Some(1), 5), 5_000);
+    }
+
+    #[test]
+    fn takeover_after_lease_gets_higher_fence_and_new_token() {
+        let first = put(decide(&id(), claim(None), None, 100, Token::generate));
+        let d = decide(&id(), claim(None), Some(&first), 1_100, Token::generate);
+        let second = put(d);
+        assert!(second.fence > first.fence);
+        assert_ne!(second.token, first.token);
+    }
+
+    #[test]
+    fn invalid_op_changes_nothing() {
+        let op = Op::Claim {
+            ttl_ms: 0,
+            lease_ms: 1,
+            fingerprint: None,
+            owner: None,
+        };
+        let d = decide(&id(), op, None, 1, Token::generate);
+        assert!(matches!(d.answer, Err(GateError::Invalid(_))));
+        assert_eq!(d.change, Change::Keep);
+    }
+
+    #[test]
+    fn release_leaves_a_tombstone_that_keeps_the_fence() {
+        let held = put(decide(&id(), claim(None), None, 100, Token::generate));
+        let token = held.token.clone().unwrap();
+        let tomb = put(decide(
+            &id(),
+            Op::Release { token },
+            Some(&held),
+            101,
+            Token::generate,
+        ));
+        assert_eq!(tomb.state, EntryState::Released);
+        let again = put(decide(
+            &id(),
+            claim(None),
+            Some(&tomb),
+            100,
+            Token::generate,
+        ));
+        assert_eq!(again.fence, held.fence + 1);
+    }
+}

@@ -1,0 +1,376 @@
+//! The Rust library face: [`Gate`] over any [`Store`], with typed methods and [`Gate::run`],
+//! which wraps a handler in either ordering.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::{GateError, StoreError};
+use crate::model::{Record, RecordId, Token};
+use crate::op::{Claim, Mark, Op, Outcome, DEFAULT_LEASE_MS, DEFAULT_TTL_MS};
+use crate::store::Store;
+
+/// Durations used when a call does not give its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Defaults {
+    /// Record retention.
+    pub ttl_ms: u64,
+    /// Claim lease.
+    pub lease_ms: u64,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Self {
+            ttl_ms: DEFAULT_TTL_MS,
+            lease_ms: DEFAULT_LEASE_MS,
+        }
+    }
+}
+
+/// Options of a claim; `None` takes the gate's default.
+#[derive(Clone, Debug, Default)]
+pub struct ClaimOptions {
+    /// Record retention.
+    pub ttl_ms: Option<u64>,
+    /// Lease.
+    pub lease_ms: Option<u64>,
+    /// Payload hash.
+    pub fingerprint: Option<String>,
+    /// Claimer id (lets a worker whose answer was lost claim again safely).
+    pub owner: Option<String>,
+}
+
+/// Which ordering [`Gate::run`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Claim, process, complete (release on failure, so the next delivery retries).
+    #[default]
+    Retriable,
+    /// Mark, then process: a failed attempt is never retried.
+    Idempotent,
+}
+
+/// What [`Gate::run`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Run<T> {
+    /// The handler ran and returned this.
+    Ran(T),
+    /// The event was a duplicate; the handler did not run.
+    Duplicate(Record),
+}
+
+impl<T> Run<T> {
+    /// True when the handler ran.
+    pub fn ran(&self) -> bool {
+        matches!(self, Run::Ran(_))
+    }
+}
+
+impl<T: DeserializeOwned> Run<T> {
+    /// The handler's value: this run's, or the one stored by the first run (None when the first
+    /// run stored no result, as in idempotent mode, or it is still in progress).
+    pub fn value(self) -> Option<T> {
+        match self {
+            Run::Ran(v) => Some(v),
+            Run::Duplicate(r) => r.result.and_then(|v| serde_json::from_value(v).ok()),
+        }
+    }
+}
+
+/// Why [`Gate::run`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError<E> {
+    /// The gate could not decide; the handler did not run.
+    #[error(transparent)]
+    Gate(GateError),
+    /// The handler failed. In retriable mode the claim was released (if the release itself
+    /// failed, the lease runs out instead), so the next delivery runs it again.
+    #[error("handler failed: {0}")]
+    Handler(E),
+    /// The handler succeeded but its completion was not recorded (lease lost or store down):
+    /// another worker may run it again once the lease runs out.
+    #[error("handler ran but its completion was not recorded: {error}")]
+    Unrecorded {
+        /// Why the completion failed.
+        error: GateError,
+    },
+}
+
+/// The gate: typed operations over a shared store.
+#[derive(Clone)]
+pub struct Gate {
+    store: Arc<dyn Store>,
+    defaults: Defaults,
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("store", &self.store.describe())
+            .field("defaults", &self.defaults)
+            .finish()
+    }
+}
+
+impl Gate {
+    /// A gate over `store` with API.md's defaults (ttl 24 h, lease 30 s).
+    pub fn new(store: impl Store) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// A gate over a shared store.
+    pub fn from_arc(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            defaults: Defaults::default(),
+        }
+    }
+
+    /// Changes the default durations.
+    pub fn with_defaults(mut self, defaults: Defaults) -> Self {
+        self.defaults = defaults;
+        self
+    }
+
+    /// The store underneath.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// The default durations.
+    pub fn defaults(&self) -> Defaults {
+        self.defaults
+    }
+
+    /// Claims `key` in `namespace` (retriable ordering).
+    pub async fn claim(
+        &self,
+        namespace: &str,
+        key: &str,
+        opts: ClaimOptions,
+    ) -> Result<Claim, GateError> {
+        let op = Op::Claim {
+            ttl_ms: opts.ttl_ms.unwrap_or(self.defaults.ttl_ms),
+            lease_ms: opts.lease_ms.unwrap_or(self.defaults.lease_ms),
+            fingerprint: opts.fingerprint,
+            owner: opts.owner,
+        };
+        match self.apply(namespace, key, op).await? {
+            Outcome::Claimed(c) => Ok(c),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Completes a claim with its result.
+    pub async fn complete(
+        &self,
+        namespace: &str,
+        key: &str,
+        token: &Token,
+        result: Option<serde_json::Value>,
+    ) -> Result<Record, GateError> {
+        let op = Op::Complete {
+            token: token.clone(),
+            result,
+            ttl_ms: None,
+        };
+        match self.apply(namespace, key, op).await? {
+            Outcome::Completed(r) => Ok(r),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Releases a claim so the next delivery runs again.
+    pub async fn release(
+        &self,
+        namespace: &str,
+        key: &str,
+        token: &Token,
+    ) -> Result<(), GateError> {
+        let op = Op::Release {
+            token: token.clone(),
+        };
+        match self.apply(namespace, key, op).await? {
+            Outcome::Released => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Renews a lease for `lease_ms` from now; returns the new lease end.
+    pub async fn extend(
+        &self,
+        namespace: &str,
+        key: &str,
+        token: &Token,
+        lease_ms: u64,
+    ) -> Result<u64, GateError> {
+        let op = Op::Extend {
+            token: token.clone(),
+            lease_ms,
+        };
+        match self.apply(namespace, key, op).await? {
+            Outcome::Extended {
+                lease_expires_at_ms,
+            } => Ok(lease_expires_at_ms),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Marks `key` completed before processing (idempotent ordering).
+    pub async fn mark(
+        &self,
+        namespace: &str,
+        key: &str,
+        ttl_ms: Option<u64>,
+        fingerprint: Option<String>,
+        result: Option<serde_json::Value>,
+    ) -> Result<Mark, GateError> {
+        let op = Op::Mark {
+            ttl_ms: ttl_ms.unwrap_or(self.defaults.ttl_ms),
+            fingerprint,
+            result,
+        };
+        match self.apply(namespace, key, op).await? {
+            Outcome::Marked(m) => Ok(m),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Reads a record (never its token).
+    pub async fn get(&self, namespace: &str, key: &str) -> Result<Option<Record>, GateError> {
+        match self.apply(namespace, key, Op::Get).await? {
+            Outcome::Found(r) => Ok(r),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Deletes a record; true when a live one existed.
+    pub async fn forget(&self, namespace: &str, key: &str) -> Result<bool, GateError> {
+        match self.apply(namespace, key, Op::Forget).await? {
+            Outcome::Forgotten(b) => Ok(b),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn apply(&self, namespace: &str, key: &str, op: Op) -> Result<Outcome, GateError> {
+        let id = RecordId::new(namespace, key)?;
+        self.store.apply(id, op).await
+    }
+
+    /// Runs `handler` at most once per (namespace, key) within the ttl.
+    ///
+    /// - [`Mode::Retriable`]: claims, keeps the lease alive while the handler runs, completes
+    ///   with its value (stored and replayed to duplicates) or releases on error.
+    /// - [`Mode::Idempotent`]: marks first, then runs; a failure is never retried.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use dedupgate_core::{Gate, MemoryStore, Mode, Run};
+    /// let gate = Gate::new(MemoryStore::new());
+    /// let charge = || async { Ok::<_, std::io::Error>(42u32) };
+    /// let first = gate.run("payments", "evt_1", Mode::Retriable, charge).await.unwrap();
+    /// assert_eq!(first, Run::Ran(42));
+    /// let again = gate.run("payments", "evt_1", Mode::Retriable, charge).await.unwrap();
+    /// assert!(!again.ran());
+    /// assert_eq!(again.value(), Some(42)); // the stored result, replayed
+    /// # });
+    /// ```
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use dedupgate_core::{Gate, MemoryStore, Mode};
+    /// let gate = Gate::new(MemoryStore::new());
+    /// // Idempotent: the mark is set before the trade is placed; a failed attempt is not retried.
+    /// let failing = || async { Err::<(), _>("exchange down") };
+    /// assert!(gate.run("trades", "ETH_5m_14:30", Mode::Idempotent, failing).await.is_err());
+    /// let retry = gate.run("trades", "ETH_5m_14:30", Mode::Idempotent, || async { Ok::<_, &str>(()) });
+    /// assert!(!retry.await.unwrap().ran());
+    /// # });
+    /// ```
+    pub async fn run<F, Fut, T, E>(
+        &self,
+        namespace: &str,
+        key: &str,
+        mode: Mode,
+        handler: F,
+    ) -> Result<Run<T>, RunError<E>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize,
+    {
+        match mode {
+            Mode::Idempotent => match self
+                .mark(namespace, key, None, None, None)
+                .await
+                .map_err(RunError::Gate)?
+            {
+                Mark::Duplicate { record } => Ok(Run::Duplicate(record)),
+                Mark::New { .. } => handler().await.map(Run::Ran).map_err(RunError::Handler),
+            },
+            Mode::Retriable => {
+                let lease = match self
+                    .claim(namespace, key, ClaimOptions::default())
+                    .await
+                    .map_err(RunError::Gate)?
+                {
+                    Claim::Duplicate { record } => return Ok(Run::Duplicate(record)),
+                    Claim::New(lease) => lease,
+                };
+                let outcome = self
+                    .while_held(namespace, key, &lease.token, handler())
+                    .await;
+                match outcome {
+                    Ok(value) => {
+                        let stored = serde_json::to_value(&value).ok();
+                        match self.complete(namespace, key, &lease.token, stored).await {
+                            Ok(_) => Ok(Run::Ran(value)),
+                            Err(error) => Err(RunError::Unrecorded { error }),
+                        }
+                    }
+                    Err(e) => {
+                        // Best effort: if the release fails the lease runs out instead.
+                        let _ = self.release(namespace, key, &lease.token).await;
+                        Err(RunError::Handler(e))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drives `work` while renewing the lease every third of its length.
+    async fn while_held<T>(
+        &self,
+        namespace: &str,
+        key: &str,
+        token: &Token,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let lease_ms = self.defaults.lease_ms;
+        let period = Duration::from_millis((lease_ms / 3).max(1));
+        let keep_alive = async {
+            loop {
+                tokio::time::sleep(period).await;
+                // A failed renewal is not fatal here: completion will tell the caller.
+                let _ = self.extend(namespace, key, token, lease_ms).await;
+            }
+        };
+        tokio::pin!(work);
+        tokio::select! {
+            value = &mut work => value,
+            _ = keep_alive => unreachable!("the keep-alive loop never ends"),
+        }
+    }
+}
+
+fn unexpected(outcome: Outcome) -> GateError {
+    // A store that answers an op with another op's outcome is broken; fail closed.
+    GateError::Store(StoreError::Corrupt(format!(
+        "store answered with an outcome of another operation: {}",
+        outcome.label()
+    )))
+}
