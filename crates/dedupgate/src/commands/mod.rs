@@ -1,0 +1,11 @@
+//! One module per subcommand.
+
+/// Logs go to stderr, filtered by `RUST_LOG` (default: info for dedupgate, warn for the rest).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,dedupgate=info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,26 @@
+//! `dedupgate`: one binary over the crates of the workspace. Each subcommand lives in
+//! `commands/` and is a thin adapter: it parses flags, opens a store, and calls a library crate.
+
+mod commands;
+mod store_spec;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// dedupgate: let only the first copy of an event through.
+#[derive(Parser, Debug)]
+#[command(name = "dedupgate", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    commands::init_tracing();
+    match cli.command {}
+}
