@@ -1,0 +1,77 @@
+//! Errors of opening the PostgreSQL store. Operations answer with [`dedupgate_core::GateError`];
+//! a PostgreSQL failure there is always [`StoreError::Unavailable`] ("nothing was decided").
+
+use dedupgate_core::StoreError;
+
+/// Why the store did not open.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgError {
+    /// The URL or an option is malformed.
+    #[error("postgres store options: {0}")]
+    Options(String),
+    /// PostgreSQL could not be reached, or a start-up statement failed.
+    #[error("postgres unavailable: {0}")]
+    Unavailable(String),
+    /// The schema was written by a newer dedupgate; this build must not touch it.
+    #[error(
+        "postgres schema {schema} is at version {found}, newer than this build's {supported}: \
+         upgrade dedupgate (or point it at another schema with dedupgate_schema=)"
+    )]
+    SchemaTooNew {
+        /// The schema name.
+        schema: String,
+        /// Version recorded in the database.
+        found: i32,
+        /// Newest version this build knows.
+        supported: i32,
+    },
+    /// The server may lose acknowledged claims in a crash and no override was given.
+    #[error(
+        "postgres {setting} = {value}: a crash can lose claims the gate already acknowledged \
+         (duplicates would get through). Turn it on for dedupgate's role or database, or accept \
+         the risk with dedupgate_allow_async_commit=true"
+    )]
+    UnsafeDurability {
+        /// `synchronous_commit` or `fsync`.
+        setting: &'static str,
+        /// Its value.
+        value: String,
+    },
+}
+
+impl From<PgError> for StoreError {
+    fn from(e: PgError) -> Self {
+        match e {
+            PgError::Unavailable(m) => StoreError::Unavailable(m),
+            other => StoreError::Config(other.to_string()),
+        }
+    }
+}
+
+/// A PostgreSQL error as text with its SQLSTATE, for [`StoreError::Unavailable`].
+pub(crate) fn describe_pg(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("postgres {}: {}", db.code().code(), db.message()),
+        None => {
+            let mut text = format!("postgres: {e}");
+            let mut source = std::error::Error::source(e);
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            text
+        }
+    }
+}
+
+/// True for the errors after which PostgreSQL rolled the transaction back and a retry is safe and
+/// likely to succeed (serialization failure, deadlock).
+pub(crate) fn is_retryable(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    matches!(
+        e.code(),
+        Some(c) if *c == SqlState::T_R_SERIALIZATION_FAILURE || *c == SqlState::T_R_DEADLOCK_DETECTED
+    )
+}

@@ -1,0 +1,110 @@
+//! The versioned schema: created or migrated when a store opens, one migration per version, in
+//! order, inside one transaction that holds an advisory lock, so several gates starting at once
+//! migrate exactly once and none sees a half-made schema.
+
+use tokio_postgres::Client;
+
+use crate::error::{describe_pg, PgError};
+use crate::options::PgOptions;
+
+/// The newest schema version this build knows. A database at a newer version is refused.
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// Each version's SQL; `{s}` stands for the quoted schema name.
+const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("migrations/v1.sql"))];
+
+fn pg(e: tokio_postgres::Error) -> PgError {
+    PgError::Unavailable(describe_pg(&e))
+}
+
+/// Brings `options.schema` to [`SCHEMA_VERSION`], or refuses a newer one. Returns the version
+/// found before migrating (0 for a new schema).
+pub(crate) async fn migrate(client: &mut Client, options: &PgOptions) -> Result<i32, PgError> {
+    let s = options.quoted_schema();
+    let tx = client.transaction().await.map_err(pg)?;
+    // Held until commit: a second gate waits here, then finds the schema current.
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1::text, 0))",
+        &[&format!("dedupgate.migrate.{}", options.schema)],
+    )
+    .await
+    .map_err(pg)?;
+    let exists = tx
+        .query_opt(
+            "SELECT 1 FROM pg_namespace WHERE nspname = $1::text",
+            &[&options.schema],
+        )
+        .await
+        .map_err(pg)?
+        .is_some();
+    if !exists {
+        // Only when missing: CREATE SCHEMA needs a privilege a deployed gate may not have.
+        tx.batch_execute(&format!("CREATE SCHEMA {s}"))
+            .await
+            .map_err(pg)?;
+    }
+    tx.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {s}.dedupgate_schema_version (
+             version    integer PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+             applied_by text NOT NULL DEFAULT current_user)"
+    ))
+    .await
+    .map_err(pg)?;
+    let found: i32 = tx
+        .query_one(
+            &format!("SELECT coalesce(max(version), 0) FROM {s}.dedupgate_schema_version"),
+            &[],
+        )
+        .await
+        .map_err(pg)?
+        .get(0);
+    if found > SCHEMA_VERSION {
+        return Err(PgError::SchemaTooNew {
+            schema: options.schema.clone(),
+            found,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
+        tx.batch_execute(&sql.replace("{s}", &s))
+            .await
+            .map_err(|e| {
+                PgError::Unavailable(format!("migration {version}: {}", describe_pg(&e)))
+            })?;
+        tx.execute(
+            &format!("INSERT INTO {s}.dedupgate_schema_version (version) VALUES ($1)"),
+            &[version],
+        )
+        .await
+        .map_err(pg)?;
+        tracing::info!(schema = %options.schema, version, "dedupgate postgres schema migrated");
+    }
+    tx.commit().await.map_err(pg)?;
+    Ok(found)
+}
+
+/// Refuses a server that can lose acknowledged commits, unless the options accept the risk (then
+/// it warns on every start).
+pub(crate) async fn check_durability(client: &Client, options: &PgOptions) -> Result<(), PgError> {
+    for setting in ["synchronous_commit", "fsync"] {
+        let value: String = client
+            .query_one(&format!("SHOW {setting}"), &[])
+            .await
+            .map_err(pg)?
+            .get(0);
+        if value == "off" {
+            if options.allow_async_commit {
+                tracing::warn!(
+                    setting,
+                    "POSTGRES {setting} IS OFF: a server crash can lose claims dedupgate already \
+                     acknowledged, and their duplicates will then be answered `new` \
+                     (accepted with dedupgate_allow_async_commit=true)"
+                );
+            } else {
+                return Err(PgError::UnsafeDurability { setting, value });
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,39 @@
+//! The conformance suite of dedupgate-core, every rule, on the local PostgreSQL.
+
+mod common;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use dedupgate_core::testkit::{run_all, Harness};
+use dedupgate_core::Store;
+
+struct PgHarness {
+    store: Arc<dyn Store>,
+}
+
+#[async_trait]
+impl Harness for PgHarness {
+    fn store(&self) -> Arc<dyn Store> {
+        self.store.clone()
+    }
+
+    /// The store judges time on the database's clock: let real time pass.
+    async fn advance(&self, ms: u64) {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_store_passes_the_conformance_suite() {
+    let url = common::url();
+    let schema = common::fresh_schema("conformance");
+    let store = common::open(&url, &schema, 8).await;
+    common::with_schema_dropped(&url, &schema, async move {
+        let harness = PgHarness {
+            store: Arc::new(store),
+        };
+        run_all(&harness).await;
+    })
+    .await;
+}
