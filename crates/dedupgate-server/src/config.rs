@@ -1,0 +1,315 @@
+//! What a server is told: default durations, limits, auth tokens and the background sweeper's
+//! pace ([`ServerConfig`]), and the TOML file the binary reads them from ([`FileConfig`]).
+//!
+//! Precedence (flags > `DEDUPGATE_*` environment > file > built-in defaults) is applied by the
+//! binary; this module only knows the file's shape and the defaults.
+
+use std::path::Path;
+
+use dedupgate_core::model::{KEY_BYTES_MAX, NAMESPACE_BYTES_MAX};
+use dedupgate_core::op::DURATION_MS_MAX;
+use dedupgate_core::{Defaults, BATCH_OPS_MAX};
+use serde::Deserialize;
+
+/// Size, time and concurrency limits. Each one bounds memory or time a single caller can take.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest request body; bigger ones get 413 `payload_too_large` before they are read whole.
+    pub body_bytes_max: usize,
+    /// Longest key accepted (at most API.md's 1024); longer gets 400 `invalid_request`.
+    pub key_bytes_max: usize,
+    /// Longest namespace accepted (at most API.md's 128); longer gets 400 `invalid_request`.
+    pub namespace_bytes_max: usize,
+    /// Largest `result` of complete/mark, as compact JSON; bigger gets 413 `payload_too_large`.
+    pub result_bytes_max: usize,
+    /// Most ops in one batch (at most API.md's 10,000); more gets 400 for the whole request.
+    pub batch_ops_max: usize,
+    /// A request that takes longer is answered 503 `unavailable` with `Retry-After`.
+    pub request_timeout_ms: u64,
+    /// Requests decided at once; the next one is answered 503 with `Retry-After` instead of
+    /// queueing, so memory stays bounded under overload.
+    pub in_flight_max: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            // A full batch of 10,000 ops with 1 KiB keys fits with room to spare.
+            body_bytes_max: 16 * 1024 * 1024,
+            key_bytes_max: KEY_BYTES_MAX,
+            namespace_bytes_max: NAMESPACE_BYTES_MAX,
+            result_bytes_max: 64 * 1024,
+            batch_ops_max: BATCH_OPS_MAX,
+            request_timeout_ms: 10_000,
+            in_flight_max: 1024,
+        }
+    }
+}
+
+impl Limits {
+    /// Clamps limits that API.md caps, and refuses zeros.
+    pub fn validated(mut self) -> Result<Self, ConfigError> {
+        self.key_bytes_max = self.key_bytes_max.min(KEY_BYTES_MAX);
+        self.namespace_bytes_max = self.namespace_bytes_max.min(NAMESPACE_BYTES_MAX);
+        self.batch_ops_max = self.batch_ops_max.min(BATCH_OPS_MAX);
+        for (name, v) in [
+            ("body_bytes_max", self.body_bytes_max as u64),
+            ("key_bytes_max", self.key_bytes_max as u64),
+            ("namespace_bytes_max", self.namespace_bytes_max as u64),
+            ("result_bytes_max", self.result_bytes_max as u64),
+            ("batch_ops_max", self.batch_ops_max as u64),
+            ("request_timeout", self.request_timeout_ms),
+            ("in_flight_max", self.in_flight_max as u64),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!("{name} must be positive")));
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// What a bearer token may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// claim, complete, release, extend, mark, get and batch in its namespaces.
+    Client,
+    /// Everything a client may, plus `DELETE /v1/record`.
+    Admin,
+}
+
+/// One bearer token and what it may touch.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRule {
+    /// A name for logs (the token itself is never logged).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The secret, as sent in `Authorization: Bearer …`.
+    pub token: String,
+    /// Namespace globs (`*` any run of characters, `?` one), e.g. `["pay*", "orders"]`.
+    pub namespaces: Vec<String>,
+    /// client or admin.
+    pub role: Role,
+}
+
+impl std::fmt::Debug for TokenRule {
+    // Tokens are secrets: a config dump must never show one.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenRule")
+            .field("name", &self.name)
+            .field("token", &"<redacted>")
+            .field("namespaces", &self.namespaces)
+            .field("role", &self.role)
+            .finish()
+    }
+}
+
+/// Everything the HTTP service needs besides its store and listener.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// ttl and lease used when a request gives none.
+    pub defaults: Defaults,
+    /// Size, time and concurrency limits.
+    pub limits: Limits,
+    /// Bearer tokens; empty means auth is off.
+    pub tokens: Vec<TokenRule>,
+    /// Pause between sweeps of expired records.
+    pub sweep_interval_ms: u64,
+    /// Most records one sweep call removes, so a sweep never holds the store for long.
+    pub sweep_batch_max: usize,
+    /// Distinct namespace label values in metrics; later namespaces are counted as `other`.
+    pub namespace_labels_max: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            defaults: Defaults::default(),
+            limits: Limits::default(),
+            tokens: Vec::new(),
+            sweep_interval_ms: 1_000,
+            sweep_batch_max: 10_000,
+            namespace_labels_max: 1_000,
+        }
+    }
+}
+
+/// A configuration that could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the expected shape.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message (with line and column).
+        message: String,
+    },
+    /// A value is out of range.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// The optional TOML file (`dedupgate serve --config FILE`). Every field is optional; flags and
+/// `DEDUPGATE_*` variables override it. Unknown fields are refused so a typo is not silently
+/// ignored. Durations are strings with units (`"500ms"`, `"30s"`, `"24h"`).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Address to listen on, e.g. `127.0.0.1:7878`.
+    pub listen: Option<String>,
+    /// STORE spec.
+    pub store: Option<String>,
+    /// Serve without tokens on a non-loopback address.
+    pub allow_unauthenticated_remote: Option<bool>,
+    /// Default record retention.
+    pub default_ttl: Option<String>,
+    /// Default lease.
+    pub default_lease: Option<String>,
+    /// See [`Limits::body_bytes_max`].
+    pub body_bytes_max: Option<usize>,
+    /// See [`Limits::key_bytes_max`].
+    pub key_bytes_max: Option<usize>,
+    /// See [`Limits::namespace_bytes_max`].
+    pub namespace_bytes_max: Option<usize>,
+    /// See [`Limits::result_bytes_max`].
+    pub result_bytes_max: Option<usize>,
+    /// See [`Limits::batch_ops_max`].
+    pub batch_ops_max: Option<usize>,
+    /// See [`Limits::request_timeout_ms`].
+    pub request_timeout: Option<String>,
+    /// See [`Limits::in_flight_max`].
+    pub in_flight_max: Option<usize>,
+    /// See [`ServerConfig::sweep_interval_ms`].
+    pub sweep_interval: Option<String>,
+    /// See [`ServerConfig::sweep_batch_max`].
+    pub sweep_batch_max: Option<usize>,
+    /// See [`ServerConfig::namespace_labels_max`].
+    pub namespace_labels_max: Option<usize>,
+    /// Bearer tokens (`[[tokens]]` tables).
+    #[serde(default)]
+    pub tokens: Vec<TokenRule>,
+}
+
+impl FileConfig {
+    /// Reads and parses a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.display().to_string(),
+            message,
+        })
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+}
+
+/// Parses a duration with a unit (`ms`, `s`, `m`, `h`, `d`) into milliseconds; a bare number is
+/// milliseconds. Zero and values beyond the core's ten-year bound are refused.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(format!(
+            "duration {text:?}: expected a number with a unit, e.g. 500ms, 30s, 5m, 24h, 7d"
+        ));
+    }
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("duration {text:?}: number too large"))?;
+    let per_ms: u64 = match unit.trim() {
+        "" | "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        other => {
+            return Err(format!(
+                "duration {text:?}: unknown unit {other:?} (use ms, s, m, h or d)"
+            ))
+        }
+    };
+    let ms = n
+        .checked_mul(per_ms)
+        .filter(|ms| (1..=DURATION_MS_MAX).contains(ms))
+        .ok_or_else(|| format!("duration {text:?}: must be between 1ms and 10 years"))?;
+    Ok(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_take_units() {
+        assert_eq!(parse_duration_ms("500ms"), Ok(500));
+        assert_eq!(parse_duration_ms("30s"), Ok(30_000));
+        assert_eq!(parse_duration_ms("5m"), Ok(300_000));
+        assert_eq!(parse_duration_ms("24h"), Ok(86_400_000));
+        assert_eq!(parse_duration_ms("7d"), Ok(604_800_000));
+        assert_eq!(parse_duration_ms("250"), Ok(250));
+        for bad in ["", "0s", "-1s", "5x", "s", "99999999999999999999d", "4000d"] {
+            assert!(parse_duration_ms(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn file_config_parses_tokens_and_refuses_unknown_fields() {
+        let file = FileConfig::parse(
+            r#"
+            listen = "0.0.0.0:7878"
+            default_ttl = "1h"
+            [[tokens]]
+            name = "payments-workers"
+            token = "s3cret"
+            namespaces = ["pay*"]
+            role = "client"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(file.tokens.len(), 1);
+        assert_eq!(file.tokens[0].role, Role::Client);
+        assert!(!format!("{file:?}").contains("s3cret"));
+        assert!(FileConfig::parse("lisen = \"x\"").is_err());
+        assert!(
+            FileConfig::parse("[[tokens]]\ntoken=\"a\"\nnamespaces=[]\nrole=\"root\"").is_err()
+        );
+    }
+
+    #[test]
+    fn limits_are_clamped_to_the_contract() {
+        let l = Limits {
+            key_bytes_max: 5000,
+            batch_ops_max: 20_000,
+            ..Limits::default()
+        }
+        .validated()
+        .unwrap();
+        assert_eq!(l.key_bytes_max, KEY_BYTES_MAX);
+        assert_eq!(l.batch_ops_max, BATCH_OPS_MAX);
+        assert!(Limits {
+            in_flight_max: 0,
+            ..Limits::default()
+        }
+        .validated()
+        .is_err());
+    }
+}

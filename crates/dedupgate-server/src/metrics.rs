@@ -1,0 +1,224 @@
+//! Prometheus metrics ([`Metrics`]), one registry per server (no global state, so several servers
+//! in one process, as in tests, never mix their figures). Labels are bounded: namespaces beyond
+//! [`crate::ServerConfig::namespace_labels_max`] are counted as `other`; keys are never labels.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use dedupgate_core::{GateError, Outcome, StoreStats};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// The namespace label of namespaces that arrived after the label cap was reached.
+pub const OTHER_NAMESPACE: &str = "other";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    namespace: Arc<String>,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabels {
+    code: &'static str,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~26 s in doublings: covers an in-memory decision and a stalled fsync alike.
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 20))
+}
+
+/// The server's metrics.
+pub struct Metrics {
+    registry: Registry,
+    decisions: Family<DecisionLabels, Counter>,
+    requests: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    store_calls: Family<OpLabels, Histogram, fn() -> Histogram>,
+    errors: Family<CodeLabels, Counter>,
+    in_flight: Gauge,
+    records_held: Gauge,
+    swept: Counter,
+    namespaces: RwLock<HashMap<String, Arc<String>>>,
+    namespace_labels_max: usize,
+    other: Arc<String>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every metric of the service.
+    pub fn new(namespace_labels_max: usize) -> Self {
+        let mut registry = Registry::with_prefix("dedupgate");
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "decisions",
+            "Decisions by namespace and outcome (new, duplicate_completed, duplicate_in_progress, fingerprint_mismatch, lease_lost, completed, released, extended, found, forgotten)",
+            decisions.clone(),
+        );
+        let requests: Family<RouteLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "request_duration_seconds",
+            "HTTP request latency by route, from the first byte read to the answer",
+            requests.clone(),
+        );
+        let store_calls: Family<OpLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "store_duration_seconds",
+            "Store call latency by operation (batch for a whole batch)",
+            store_calls.clone(),
+        );
+        let errors = Family::<CodeLabels, Counter>::default();
+        registry.register(
+            "errors",
+            "Error answers by API.md code (batch items included)",
+            errors.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "requests_in_flight",
+            "Requests being answered now",
+            in_flight.clone(),
+        );
+        let records_held = Gauge::default();
+        registry.register(
+            "records_held",
+            "Records the store holds (expired-but-unswept included), read at scrape time",
+            records_held.clone(),
+        );
+        let swept = Counter::default();
+        registry.register(
+            "records_swept",
+            "Expired records removed by this server's sweeper",
+            swept.clone(),
+        );
+        Self {
+            registry,
+            decisions,
+            requests,
+            store_calls,
+            errors,
+            in_flight,
+            records_held,
+            swept,
+            namespaces: RwLock::new(HashMap::new()),
+            namespace_labels_max,
+            other: Arc::new(OTHER_NAMESPACE.to_owned()),
+        }
+    }
+
+    /// The label for `namespace`: itself while fewer than the cap have been seen, else `other`.
+    pub fn namespace_label(&self, namespace: &str) -> Arc<String> {
+        let known = |set: &HashMap<String, Arc<String>>| {
+            set.get(namespace)
+                .cloned()
+                .or_else(|| (set.len() >= self.namespace_labels_max).then(|| self.other.clone()))
+        };
+        if let Some(label) = known(&self.namespaces.read().unwrap_or_else(|p| p.into_inner())) {
+            return label;
+        }
+        let mut set = self.namespaces.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(label) = known(&set) {
+            return label;
+        }
+        let label = Arc::new(namespace.to_owned());
+        set.insert(namespace.to_owned(), label.clone());
+        label
+    }
+
+    /// Counts a decision (or a refusal the core decided: lease_lost, fingerprint_mismatch).
+    pub fn decision(&self, namespace: &Arc<String>, answer: &Result<Outcome, GateError>) {
+        let outcome = match answer {
+            Ok(o) => o.label(),
+            Err(e @ (GateError::LeaseLost | GateError::FingerprintMismatch)) => e.code(),
+            Err(_) => return,
+        };
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                namespace: namespace.clone(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Counts an error answer.
+    pub fn error(&self, code: &'static str) {
+        self.errors.get_or_create(&CodeLabels { code }).inc();
+    }
+
+    /// Records a request's latency.
+    pub fn request(&self, route: &'static str, elapsed: Duration) {
+        self.requests
+            .get_or_create(&RouteLabels { route })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Records a store call's latency.
+    pub fn store_call(&self, op: &'static str, elapsed: Duration) {
+        self.store_calls
+            .get_or_create(&OpLabels { op })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// The in-flight gauge.
+    pub fn in_flight(&self) -> &Gauge {
+        &self.in_flight
+    }
+
+    /// Counts records removed by the sweeper.
+    pub fn swept(&self, n: u64) {
+        self.swept.inc_by(n);
+    }
+
+    /// Renders the text exposition, taking the store's figures first.
+    pub fn render(&self, stats: Option<&StoreStats>) -> String {
+        if let Some(held) = stats.and_then(|s| s.records_held) {
+            self.records_held
+                .set(i64::try_from(held).unwrap_or(i64::MAX));
+        }
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String never fails");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_labels_are_capped() {
+        let m = Metrics::new(2);
+        assert_eq!(*m.namespace_label("a"), "a");
+        assert_eq!(*m.namespace_label("b"), "b");
+        assert_eq!(*m.namespace_label("c"), OTHER_NAMESPACE);
+        assert_eq!(*m.namespace_label("a"), "a");
+        m.decision(&m.namespace_label("zzz"), &Err(GateError::LeaseLost));
+        let text = m.render(None);
+        assert!(
+            text.contains(r#"dedupgate_decisions_total{namespace="other",outcome="lease_lost"} 1"#),
+            "{text}"
+        );
+    }
+}
