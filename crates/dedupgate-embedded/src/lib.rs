@@ -1,0 +1,49 @@
+//! # dedupgate-embedded
+//!
+//! The embedded durable store, dedupgate's default: no server, data under one directory.
+//!
+//! - [`EmbeddedStore`]: the [`dedupgate_core::Store`] implementation. [`EmbeddedStore::open`]
+//!   locks the directory, opens (or creates) the engine, checks the format version and starts
+//!   two threads: the group-commit writer and the background sweeper.
+//! - [`EmbeddedOptions`]: queue and batch bounds, the sweep interval and an injectable clock.
+//!   Durability is not an option: every acknowledged write has been fsync'd.
+//! - [`OpenError`]: why a directory could not be opened (missing parent, locked, read-only, full,
+//!   corrupt, unknown format). A failed open changes nothing on disk.
+//! - `writer` (private): a single thread drains a bounded queue, decides each op in order with
+//!   [`dedupgate_core::decide`], writes the batch in one transaction, fsyncs once, then answers
+//!   every waiter. After a failed write or fsync it answers "unavailable" until the engine has
+//!   reopened cleanly.
+//! - [`engine`]: the seam between the writer and the storage engine; [`engine::RedbEngine`] is the
+//!   one shipped (chosen by measurement, see `docs/embedded-engine.md`).
+//! - [`codec`]: the versioned entry encoding; corrupt bytes decode to an error, never to "absent".
+//!
+//! ```
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! use dedupgate_core::{Claim, ClaimOptions, Gate};
+//! use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
+//! let dir = std::env::temp_dir().join(format!("dg-doc-{}", std::process::id()));
+//! let gate = Gate::new(EmbeddedStore::open(&dir, EmbeddedOptions::default())?);
+//! let claim = gate.claim("payments", "evt_1", ClaimOptions::default()).await?;
+//! assert!(matches!(claim, Claim::New(_)));
+//! # drop(gate);
+//! # std::fs::remove_dir_all(&dir).unwrap();
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+
+pub mod codec;
+pub mod engine;
+mod error;
+mod store;
+mod writer;
+
+pub use error::OpenError;
+pub use store::{EmbeddedOptions, EmbeddedStore};
+
+/// Format version of the store's layout (tables and encodings). A store written with another
+/// version is refused with [`OpenError::UnknownFormat`]; a future release may migrate instead.
+pub const FORMAT_VERSION: u64 = 1;
+/// The engine's file inside the store directory.
+pub const DB_FILE_NAME: &str = "dedupgate.redb";
+/// The file whose exclusive lock marks the directory as in use by one process.
+pub const LOCK_FILE_NAME: &str = "LOCK";

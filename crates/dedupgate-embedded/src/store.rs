@@ -1,0 +1,454 @@
+//! [`EmbeddedStore`]: opening a directory, and the [`Store`] face over the writer thread.
+
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dedupgate_core::{
+    Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats, SystemClock,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::engine::{Engine, EngineError, EngineOpener, RedbEngine};
+use crate::error::OpenError;
+use crate::writer::{check_format, FormatProblem, Request, Shared, Writer};
+use crate::{DB_FILE_NAME, LOCK_FILE_NAME};
+
+/// How the store runs. Durability is not among these: every acknowledged write is fsync'd.
+#[derive(Clone, Debug)]
+pub struct EmbeddedOptions {
+    /// Requests that may wait for the writer; when full, callers wait (backpressure).
+    pub queue_requests_max: usize,
+    /// Most ops decided and committed in one transaction (a batch request is never split).
+    pub batch_ops_max: usize,
+    /// How often the background sweeper looks for expired entries.
+    pub sweep_interval_ms: u64,
+    /// Most entries one sweep transaction removes, so a sweep never holds the writer long.
+    pub sweep_batch_max: usize,
+    /// The store's one clock. `None` (production): the system clock, floored at the latest
+    /// instant the store has persisted, so a restart or a clock step back never judges a lease
+    /// on an earlier instant. Tests pass a [`dedupgate_core::ManualClock`].
+    pub clock: Option<Arc<dyn Clock>>,
+}
+
+impl Default for EmbeddedOptions {
+    fn default() -> Self {
+        Self {
+            queue_requests_max: 16_384,
+            batch_ops_max: 8_192,
+            sweep_interval_ms: 1_000,
+            sweep_batch_max: 1_000,
+            clock: None,
+        }
+    }
+}
+
+impl EmbeddedOptions {
+    fn check(&self) -> Result<(), OpenError> {
+        let fail = |what: &str| Err(OpenError::Options(what.to_owned()));
+        if self.queue_requests_max == 0 || self.queue_requests_max > 1 << 20 {
+            return fail("queue_requests_max must be 1..=1048576");
+        }
+        if self.batch_ops_max == 0 || self.batch_ops_max > 1 << 20 {
+            return fail("batch_ops_max must be 1..=1048576");
+        }
+        if self.sweep_interval_ms == 0 || self.sweep_interval_ms > 24 * 3_600_000 {
+            return fail("sweep_interval_ms must be 1..=86400000");
+        }
+        if self.sweep_batch_max == 0 || self.sweep_batch_max > 1 << 20 {
+            return fail("sweep_batch_max must be 1..=1048576");
+        }
+        Ok(())
+    }
+}
+
+/// The embedded durable store. Dropping it stops its threads, closes the engine and releases the
+/// directory lock (waiting for a commit in flight).
+pub struct EmbeddedStore {
+    tx: Option<mpsc::Sender<Request>>,
+    shared: Arc<Shared>,
+    writer: Option<JoinHandle<()>>,
+    sweeper: Option<JoinHandle<()>>,
+    stop_sweeper: Option<std_mpsc::Sender<()>>,
+    clock: Arc<dyn Clock>,
+    description: String,
+    /// Held for the store's life: its flock is the directory's exclusive lock.
+    _lock: Option<File>,
+}
+
+impl std::fmt::Debug for EmbeddedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedStore")
+            .field("description", &self.description)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Files and the directory an open created, removed again if the open fails.
+#[derive(Default)]
+struct Undo {
+    dir: Option<PathBuf>,
+    files: Vec<PathBuf>,
+}
+
+impl Undo {
+    fn run(self) {
+        for f in self.files.iter().rev() {
+            let _ = fs::remove_file(f);
+        }
+        if let Some(d) = self.dir {
+            let _ = fs::remove_dir(d);
+        }
+    }
+}
+
+fn engine_open_error(path: &Path, e: EngineError) -> OpenError {
+    match e {
+        // redb reports a file that is not a redb database (bad magic number) as invalid data.
+        EngineError::Io(io) if io.kind() == std::io::ErrorKind::InvalidData => OpenError::Corrupt {
+            path: path.to_owned(),
+            detail: format!("not a readable database file ({io})"),
+        },
+        EngineError::Io(io) => OpenError::io(path, io),
+        EngineError::Corrupt(detail) => OpenError::Corrupt {
+            path: path.to_owned(),
+            detail,
+        },
+        EngineError::Other(detail) => OpenError::Engine {
+            path: path.to_owned(),
+            detail,
+        },
+    }
+}
+
+/// Opens redb, turning a panic on a malformed file into a corrupt-file error.
+fn open_redb(path: &Path) -> Result<Box<dyn Engine>, EngineError> {
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| RedbEngine::open(path)));
+    match opened {
+        Ok(Ok(engine)) => Ok(Box::new(engine)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(EngineError::Corrupt(
+            "the engine could not read the file's header".into(),
+        )),
+    }
+}
+
+impl EmbeddedStore {
+    /// Opens the store in `dir`. The directory is created when it is missing but its parent
+    /// exists (never a chain of directories: a typo should not silently make a new store).
+    /// A failed open changes nothing on disk.
+    pub fn open(dir: impl AsRef<Path>, options: EmbeddedOptions) -> Result<Self, OpenError> {
+        options.check()?;
+        let dir = dir.as_ref();
+        let mut undo = Undo::default();
+        match Self::open_dir(dir, options, &mut undo) {
+            Ok(store) => Ok(store),
+            Err(e) => {
+                undo.run();
+                Err(e)
+            }
+        }
+    }
+
+    fn open_dir(
+        dir: &Path,
+        options: EmbeddedOptions,
+        undo: &mut Undo,
+    ) -> Result<Self, OpenError> {
+        match fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(OpenError::NotADirectory {
+                    dir: dir.to_owned(),
+                })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let parent = match dir.parent() {
+                    Some(p) if p.as_os_str().is_empty() => Path::new("."),
+                    Some(p) => p,
+                    None => Path::new("/"),
+                };
+                if !parent.is_dir() {
+                    return Err(OpenError::ParentMissing {
+                        dir: dir.to_owned(),
+                    });
+                }
+                fs::create_dir(dir).map_err(|e| OpenError::io(dir, e))?;
+                undo.dir = Some(dir.to_owned());
+            }
+            Err(e) => return Err(OpenError::io(dir, e)),
+        }
+
+        let lock_path = dir.join(LOCK_FILE_NAME);
+        if !lock_path.exists() {
+            undo.files.push(lock_path.clone());
+        }
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(|e| OpenError::io(&lock_path, e))?;
+        match fs4::fs_std::FileExt::try_lock_exclusive(&lock) {
+            Ok(true) => {}
+            Ok(false) => {
+                // Someone else's lock file: never remove it.
+                undo.files.retain(|f| f != &lock_path);
+                return Err(OpenError::Locked {
+                    dir: dir.to_owned(),
+                });
+            }
+            Err(e) => return Err(OpenError::io(&lock_path, e)),
+        }
+
+        let db_path = dir.join(DB_FILE_NAME);
+        if !db_path.exists() {
+            undo.files.push(db_path.clone());
+        }
+        let mut engine = open_redb(&db_path).map_err(|e| engine_open_error(&db_path, e))?;
+        let floor_ms = match check_format(engine.as_mut()) {
+            Ok(Ok(floor)) => floor,
+            Ok(Err(FormatProblem::Unknown(found))) => {
+                return Err(OpenError::UnknownFormat {
+                    path: db_path,
+                    found,
+                    supported: crate::FORMAT_VERSION,
+                })
+            }
+            Ok(Err(problem @ FormatProblem::Missing)) => {
+                return Err(OpenError::Corrupt {
+                    path: db_path,
+                    detail: problem.to_string(),
+                })
+            }
+            Err(e) => return Err(engine_open_error(&db_path, e)),
+        };
+        let reopen_path = db_path.clone();
+        let opener: EngineOpener = Box::new(move || open_redb(&reopen_path));
+        let description = format!("embedded:{} (redb, fsync per group commit)", dir.display());
+        Ok(Self::start(
+            engine,
+            opener,
+            floor_ms,
+            options,
+            description,
+            Some(lock),
+        ))
+    }
+
+    /// Runs the store over any [`Engine`], without a directory lock: the engine comparison in
+    /// `benches/claims.rs` uses this to put SQLite under the same writer. `open` is called now and
+    /// again after every failure.
+    #[doc(hidden)]
+    pub fn with_engine(
+        mut open: EngineOpener,
+        options: EmbeddedOptions,
+        description: String,
+    ) -> Result<Self, OpenError> {
+        options.check()?;
+        let path = PathBuf::from(&description);
+        let mut engine = open().map_err(|e| engine_open_error(&path, e))?;
+        let floor_ms = match check_format(engine.as_mut()) {
+            Ok(Ok(floor)) => floor,
+            Ok(Err(problem)) => {
+                return Err(OpenError::Engine {
+                    path,
+                    detail: problem.to_string(),
+                })
+            }
+            Err(e) => return Err(engine_open_error(&path, e)),
+        };
+        Ok(Self::start(
+            engine,
+            open,
+            floor_ms,
+            options,
+            description,
+            None,
+        ))
+    }
+
+    fn start(
+        engine: Box<dyn Engine>,
+        opener: EngineOpener,
+        floor_ms: u64,
+        options: EmbeddedOptions,
+        description: String,
+        lock: Option<File>,
+    ) -> Self {
+        let clock = options
+            .clock
+            .clone()
+            .unwrap_or_else(|| Arc::new(SystemClock::with_floor(floor_ms)));
+        let shared = Arc::new(Shared::default());
+        shared.available.store(true, Ordering::Release);
+        let (tx, rx) = mpsc::channel(options.queue_requests_max);
+        let writer = Writer {
+            rx,
+            opener,
+            engine: Some(engine),
+            clock: clock.clone(),
+            shared: shared.clone(),
+            batch_ops_max: options.batch_ops_max,
+        };
+        let writer = std::thread::Builder::new()
+            .name("dedupgate-writer".into())
+            .spawn(move || writer.run())
+            .expect("the OS could not start the writer thread");
+        let (stop_tx, stop_rx) = std_mpsc::channel();
+        let sweep_tx = tx.clone();
+        let interval = Duration::from_millis(options.sweep_interval_ms);
+        let batch_max = options.sweep_batch_max;
+        let sweeper = std::thread::Builder::new()
+            .name("dedupgate-sweeper".into())
+            .spawn(move || sweeper(sweep_tx, stop_rx, interval, batch_max))
+            .expect("the OS could not start the sweeper thread");
+        Self {
+            tx: Some(tx),
+            shared,
+            writer: Some(writer),
+            sweeper: Some(sweeper),
+            stop_sweeper: Some(stop_tx),
+            clock,
+            description,
+            _lock: lock,
+        }
+    }
+
+    /// The store's clock (the one leases and ttls are judged on).
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.clone()
+    }
+
+    /// Commits since the store opened: with many concurrent callers, far fewer than ops.
+    pub fn commits_total(&self) -> u64 {
+        self.shared.commits_total.load(Ordering::Relaxed)
+    }
+
+    async fn send(&self, request: Request) -> Result<(), StoreError> {
+        let tx = self.tx.as_ref().expect("present until drop");
+        tx.send(request)
+            .await
+            .map_err(|_| StoreError::Unavailable("the embedded store's writer has stopped".into()))
+    }
+
+    fn check_available(&self) -> Result<(), StoreError> {
+        if self.shared.available.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(self.shared.unavailable())
+        }
+    }
+}
+
+fn writer_gone() -> StoreError {
+    StoreError::Unavailable("the embedded store's writer stopped before answering".into())
+}
+
+/// Sweeps every `interval`, in bounded batches, until a batch comes back short or the store stops.
+fn sweeper(
+    tx: mpsc::Sender<Request>,
+    stop: std_mpsc::Receiver<()>,
+    interval: Duration,
+    batch_max: usize,
+) {
+    loop {
+        match stop.recv_timeout(interval) {
+            Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        loop {
+            let (reply, rx) = oneshot::channel();
+            if tx.blocking_send(Request::Sweep { batch_max, reply }).is_err() {
+                return;
+            }
+            match rx.blocking_recv() {
+                Ok(Ok(n)) if n as usize >= batch_max => {
+                    if !matches!(stop.try_recv(), Err(std_mpsc::TryRecvError::Empty)) {
+                        return;
+                    }
+                }
+                Ok(Ok(_)) => break,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "background sweep failed");
+                    break;
+                }
+                Err(_) => return,
+            }
+        }
+    }
+}
+
+impl Drop for EmbeddedStore {
+    fn drop(&mut self) {
+        drop(self.stop_sweeper.take());
+        if let Some(s) = self.sweeper.take() {
+            let _ = s.join();
+        }
+        drop(self.tx.take());
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+#[async_trait]
+impl Store for EmbeddedStore {
+    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+        op.validate()?;
+        self.check_available()?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Request::One { id, op, reply }).await?;
+        rx.await.map_err(|_| writer_gone())?
+    }
+
+    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        if ops.is_empty() {
+            return Vec::new();
+        }
+        let fail_all = |n: usize, e: &StoreError| {
+            (0..n)
+                .map(|_| Err(GateError::Store(StoreError::Unavailable(e.to_string()))))
+                .collect()
+        };
+        let n = ops.len();
+        if let Err(e) = self.check_available() {
+            return fail_all(n, &e);
+        }
+        let (reply, rx) = oneshot::channel();
+        if let Err(e) = self.send(Request::Many { ops, reply }).await {
+            return fail_all(n, &e);
+        }
+        rx.await.unwrap_or_else(|_| fail_all(n, &writer_gone()))
+    }
+
+    async fn health(&self) -> Result<(), StoreError> {
+        self.check_available()
+    }
+
+    async fn sweep_expired(&self, batch_max: usize) -> Result<u64, StoreError> {
+        if batch_max == 0 {
+            return Ok(0);
+        }
+        self.check_available()?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Request::Sweep { batch_max, reply }).await?;
+        rx.await.map_err(|_| writer_gone())?
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        self.check_available()?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Request::Stats { reply }).await?;
+        rx.await.map_err(|_| writer_gone())?
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+}

@@ -1,0 +1,501 @@
+//! The group-commit writer: one thread that owns the engine.
+//!
+//! Loop: block for one request, drain more without waiting (up to `batch_ops_max` ops), read
+//! each op's current entry, [`decide`] the ops in order over an overlay (so a later op on the
+//! same id sees an earlier one), write every changed entry and its expiry-index key in one
+//! transaction, commit (one fsync), and only then answer every waiter. A failed transaction or
+//! commit answers the whole batch "unavailable", drops the engine and reopens it from disk; until
+//! that succeeds every request is answered "unavailable" and nothing is acknowledged.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dedupgate_core::{
+    decide, Change, Clock, Entry, GateError, Op, Outcome, RecordId, StoreError, StoreStats, Token,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::codec::{self, decode_entry, encode_entry, encode_id, expiry_key};
+use crate::engine::{Engine, EngineError, EngineOpener, Txn};
+
+/// Meta key of the latest instant any commit decided on (unix ms).
+pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
+/// Meta key of the store's format version.
+pub(crate) const META_FORMAT: &str = "format_version";
+
+/// Longest wait between reopen attempts after a failure.
+const REOPEN_BACKOFF_MS_MAX: u64 = 2_000;
+
+type Answer = Result<Outcome, GateError>;
+
+/// What callers send the writer.
+pub(crate) enum Request {
+    One {
+        id: RecordId,
+        op: Op,
+        reply: oneshot::Sender<Answer>,
+    },
+    Many {
+        ops: Vec<(RecordId, Op)>,
+        reply: oneshot::Sender<Vec<Answer>>,
+    },
+    Sweep {
+        batch_max: usize,
+        reply: oneshot::Sender<Result<u64, StoreError>>,
+    },
+    Stats {
+        reply: oneshot::Sender<Result<StoreStats, StoreError>>,
+    },
+}
+
+/// State the writer shares with the store's callers.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// False from a failed write until the engine has reopened cleanly.
+    pub available: AtomicBool,
+    /// Why the store is unavailable, for health answers.
+    pub last_error: Mutex<String>,
+    pub swept_total: AtomicU64,
+    pub commits_total: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn unavailable(&self) -> StoreError {
+        let why = self
+            .last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        StoreError::Unavailable(format!(
+            "the embedded store failed closed and is reopening: {why}"
+        ))
+    }
+}
+
+fn engine_store_error(e: &EngineError) -> StoreError {
+    match e {
+        EngineError::Corrupt(s) => StoreError::Corrupt(s.clone()),
+        other => StoreError::Unavailable(format!("embedded store write failed: {other}")),
+    }
+}
+
+enum Reply {
+    One(oneshot::Sender<Answer>),
+    Many(oneshot::Sender<Vec<Answer>>, usize),
+}
+
+/// One id's state within a batch.
+struct Slot {
+    /// The entry as the batch left it so far (`None`: absent).
+    current: Option<Entry>,
+    /// Expiry of the entry as stored before the batch, to move its index key.
+    stored_expires_at_ms: Option<u64>,
+    /// Set when the stored bytes could not be decoded: every op on this id answers corrupt.
+    corrupt: Option<String>,
+    dirty: bool,
+}
+
+pub(crate) struct Writer {
+    pub rx: mpsc::Receiver<Request>,
+    pub opener: EngineOpener,
+    pub engine: Option<Box<dyn Engine>>,
+    pub clock: Arc<dyn Clock>,
+    pub shared: Arc<Shared>,
+    pub batch_ops_max: usize,
+}
+
+impl Writer {
+    /// Runs until every sender is gone.
+    pub fn run(mut self) {
+        let mut pending: Vec<Request> = Vec::new();
+        let mut held: Option<Request> = None;
+        loop {
+            let first = match held.take() {
+                Some(r) => r,
+                None => match self.rx.blocking_recv() {
+                    Some(r) => r,
+                    None => return,
+                },
+            };
+            if self.engine.is_none() {
+                self.answer_unavailable(first);
+                self.recover();
+                continue;
+            }
+            match first {
+                Request::Sweep { batch_max, reply } => {
+                    let r = self.sweep(batch_max);
+                    let _ = reply.send(r);
+                    continue;
+                }
+                Request::Stats { reply } => {
+                    let r = self.stats();
+                    let _ = reply.send(r);
+                    continue;
+                }
+                op_request => pending.push(op_request),
+            }
+            let mut ops = request_ops(&pending[0]);
+            // Drain without waiting: everything that queued during the last commit shares this one.
+            while ops < self.batch_ops_max {
+                match self.rx.try_recv() {
+                    Ok(r @ (Request::One { .. } | Request::Many { .. })) => {
+                        ops += request_ops(&r);
+                        pending.push(r);
+                    }
+                    Ok(other) => {
+                        held = Some(other);
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.commit_batch(&mut pending);
+            if self.engine.is_none() {
+                self.recover();
+            }
+        }
+    }
+
+    fn commit_batch(&mut self, pending: &mut Vec<Request>) {
+        let mut ops: Vec<(RecordId, Op)> = Vec::new();
+        let mut replies: Vec<Reply> = Vec::with_capacity(pending.len());
+        for r in pending.drain(..) {
+            match r {
+                Request::One { id, op, reply } => {
+                    ops.push((id, op));
+                    replies.push(Reply::One(reply));
+                }
+                Request::Many { ops: many, reply } => {
+                    replies.push(Reply::Many(reply, many.len()));
+                    ops.extend(many);
+                }
+                Request::Sweep { .. } | Request::Stats { .. } => {
+                    unreachable!("only op requests are batched")
+                }
+            }
+        }
+        let n_ops = ops.len();
+        let now_ms = self.clock.now_ms();
+        let mut answers: Vec<Answer> = Vec::with_capacity(n_ops);
+        let engine = self.engine.as_mut().expect("checked by the caller");
+        let result = engine.write(&mut |txn: &mut dyn Txn| {
+            answers.clear();
+            decide_all(txn, ops.drain(..), now_ms, &mut answers)
+        });
+        let mut answers = answers.into_iter();
+        match result {
+            Ok(()) => {
+                self.shared.commits_total.fetch_add(1, Ordering::Relaxed);
+                debug_assert_eq!(answers.len(), n_ops);
+                for reply in replies {
+                    match reply {
+                        Reply::One(tx) => {
+                            let _ = tx.send(answers.next().expect("one answer per op"));
+                        }
+                        Reply::Many(tx, n) => {
+                            let _ = tx.send(answers.by_ref().take(n).collect());
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                self.fail(&e);
+                let err = || Err(GateError::Store(engine_store_error(&e)));
+                for reply in replies {
+                    match reply {
+                        Reply::One(tx) => {
+                            let _ = tx.send(err());
+                        }
+                        Reply::Many(tx, n) => {
+                            let _ = tx.send((0..n).map(|_| err()).collect());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn sweep(&mut self, batch_max: usize) -> Result<u64, StoreError> {
+        let now_ms = self.clock.now_ms();
+        let mut removed = 0u64;
+        let engine = self.engine.as_mut().expect("checked by the caller");
+        let result = engine.write(&mut |txn: &mut dyn Txn| {
+            removed = 0;
+            sweep_in(txn, now_ms, batch_max, &mut removed)
+        });
+        match result {
+            Ok(()) => {
+                self.shared.swept_total.fetch_add(removed, Ordering::Relaxed);
+                Ok(removed)
+            }
+            Err(e) => {
+                self.fail(&e);
+                Err(engine_store_error(&e))
+            }
+        }
+    }
+
+    fn stats(&mut self) -> Result<StoreStats, StoreError> {
+        let mut held = 0;
+        let engine = self.engine.as_mut().expect("checked by the caller");
+        let result = engine.write(&mut |txn: &mut dyn Txn| {
+            held = txn.count()?;
+            Ok(false)
+        });
+        match result {
+            Ok(()) => Ok(StoreStats {
+                records_held: Some(held),
+                swept_total: Some(self.shared.swept_total.load(Ordering::Relaxed)),
+            }),
+            Err(e) => {
+                self.fail(&e);
+                Err(engine_store_error(&e))
+            }
+        }
+    }
+
+    /// Fails closed: drops the engine so nothing more is written through it.
+    fn fail(&mut self, e: &EngineError) {
+        tracing::error!(error = %e, "embedded store write failed; failing closed and reopening");
+        *self
+            .shared
+            .last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = e.to_string();
+        self.shared.available.store(false, Ordering::Release);
+        self.engine = None;
+    }
+
+    fn answer_unavailable(&self, r: Request) {
+        let err = || self.shared.unavailable();
+        match r {
+            Request::One { reply, .. } => {
+                let _ = reply.send(Err(err().into()));
+            }
+            Request::Many { ops, reply } => {
+                let _ = reply.send(ops.iter().map(|_| Err(err().into())).collect());
+            }
+            Request::Sweep { reply, .. } => {
+                let _ = reply.send(Err(err()));
+            }
+            Request::Stats { reply } => {
+                let _ = reply.send(Err(err()));
+            }
+        }
+    }
+
+    /// Reopens the engine from disk, answering "unavailable" to everything meanwhile. Returns
+    /// when the engine is back, or when every sender is gone.
+    fn recover(&mut self) {
+        let mut backoff_ms = 20;
+        loop {
+            let reopened = (self.opener)().and_then(|mut e| match check_format(e.as_mut())? {
+                Ok(_) => Ok(e),
+                Err(problem) => Err(EngineError::Other(problem.to_string())),
+            });
+            match reopened {
+                Ok(engine) => {
+                    tracing::warn!(engine = %engine.describe(), "embedded store reopened; resuming");
+                    self.engine = Some(engine);
+                    self.shared.available.store(true, Ordering::Release);
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "embedded store reopen failed; retrying");
+                    *self
+                        .shared
+                        .last_error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()) = format!("reopen failed: {e}");
+                }
+            }
+            let until = Instant::now() + Duration::from_millis(backoff_ms);
+            while Instant::now() < until {
+                match self.rx.try_recv() {
+                    Ok(r) => self.answer_unavailable(r),
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        std::thread::sleep(Duration::from_millis(2))
+                    }
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            backoff_ms = (backoff_ms * 2).min(REOPEN_BACKOFF_MS_MAX);
+        }
+    }
+}
+
+fn request_ops(r: &Request) -> usize {
+    match r {
+        Request::Many { ops, .. } => ops.len(),
+        _ => 1,
+    }
+}
+
+/// Decides `ops` in order inside `txn` and stages every change. Returns whether to commit.
+fn decide_all(
+    txn: &mut dyn Txn,
+    ops: impl Iterator<Item = (RecordId, Op)>,
+    now_ms: u64,
+    answers: &mut Vec<Answer>,
+) -> Result<bool, EngineError> {
+    let mut slots: HashMap<Vec<u8>, Slot> = HashMap::new();
+    let mut id_buf = Vec::with_capacity(64);
+    let mut val_buf = Vec::with_capacity(256);
+    for (id, op) in ops {
+        encode_id(&id, &mut id_buf);
+        let slot = match slots.get_mut(id_buf.as_slice()) {
+            Some(s) => s,
+            None => {
+                let slot = if txn.get(&id_buf, &mut val_buf)? {
+                    match decode_entry(&val_buf) {
+                        Ok(e) => Slot {
+                            stored_expires_at_ms: Some(e.expires_at_ms),
+                            current: Some(e),
+                            corrupt: None,
+                            dirty: false,
+                        },
+                        Err(e) => Slot {
+                            current: None,
+                            stored_expires_at_ms: None,
+                            corrupt: Some(format!(
+                                "{} / {:?}: {e}",
+                                id.namespace.as_str(),
+                                id.key.as_str()
+                            )),
+                            dirty: false,
+                        },
+                    }
+                } else {
+                    Slot {
+                        current: None,
+                        stored_expires_at_ms: None,
+                        corrupt: None,
+                        dirty: false,
+                    }
+                };
+                slots.entry(id_buf.clone()).or_insert(slot)
+            }
+        };
+        if let Some(why) = &slot.corrupt {
+            // Never "absent": a corrupt entry might hold a claim; an operator must look.
+            answers.push(Err(StoreError::Corrupt(why.clone()).into()));
+            continue;
+        }
+        let decision = decide(&id, op, slot.current.as_ref(), now_ms, Token::generate);
+        if let Change::Put(entry) = decision.change {
+            slot.current = Some(entry);
+            slot.dirty = true;
+        }
+        answers.push(decision.answer);
+    }
+    let mut any = false;
+    let mut key_buf = Vec::with_capacity(80);
+    for (id, slot) in &slots {
+        if !slot.dirty {
+            continue;
+        }
+        let entry = slot.current.as_ref().expect("a dirty slot holds an entry");
+        encode_entry(entry, &mut val_buf);
+        txn.put(id, &val_buf)?;
+        if slot.stored_expires_at_ms != Some(entry.expires_at_ms) {
+            if let Some(old) = slot.stored_expires_at_ms {
+                expiry_key(old, id, &mut key_buf);
+                txn.index_remove(&key_buf)?;
+            }
+            expiry_key(entry.expires_at_ms, id, &mut key_buf);
+            txn.index_insert(&key_buf)?;
+        }
+        any = true;
+    }
+    if any {
+        // Persist the latest instant decided on, so a restart's clock never starts earlier.
+        let prev = txn.meta_get(META_CLOCK_MS)?.unwrap_or(0);
+        if now_ms > prev {
+            txn.meta_put(META_CLOCK_MS, now_ms)?;
+        }
+    }
+    Ok(any)
+}
+
+/// Removes up to `batch_max` expired entries, walking the expiry index from the oldest.
+fn sweep_in(
+    txn: &mut dyn Txn,
+    now_ms: u64,
+    batch_max: usize,
+    removed: &mut u64,
+) -> Result<bool, EngineError> {
+    // Index keys of entries that expire at or before now sort before (now + 1) in big-endian.
+    let bound = now_ms.saturating_add(1).to_be_bytes();
+    let mut keys = Vec::new();
+    txn.index_before(&bound, batch_max, &mut keys)?;
+    let mut val_buf = Vec::new();
+    for key in &keys {
+        let (_, id) = codec::split_expiry_key(key).map_err(|e| EngineError::Corrupt(e.0))?;
+        if txn.get(id, &mut val_buf)? {
+            match decode_entry(&val_buf) {
+                Ok(e) if !e.is_live(now_ms) => {
+                    txn.remove(id)?;
+                    *removed += 1;
+                }
+                // Renewed since the index key was written: the entry has a newer index key.
+                Ok(_) => {}
+                // Left for an operator; sweeping it would turn "corrupt" into "absent".
+                Err(e) => tracing::error!(error = %e, "sweeper left an undecodable entry"),
+            }
+        }
+        txn.index_remove(key)?;
+    }
+    Ok(!keys.is_empty())
+}
+
+/// Why a store's format cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FormatProblem {
+    /// Written by a build with another format.
+    Unknown(u64),
+    /// Entries but no version: not a store this build wrote.
+    Missing,
+}
+
+impl std::fmt::Display for FormatProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FormatProblem::Unknown(v) => write!(
+                f,
+                "the store has format version {v}; this build reads version {} only",
+                crate::FORMAT_VERSION
+            ),
+            FormatProblem::Missing => f.write_str("entries exist but the store has no format version"),
+        }
+    }
+}
+
+/// Checks (or, on a new store, writes) the format version. Returns the persisted clock floor.
+pub(crate) fn check_format(
+    engine: &mut dyn Engine,
+) -> Result<Result<u64, FormatProblem>, EngineError> {
+    let mut outcome = Ok(0);
+    engine.write(&mut |txn: &mut dyn Txn| match txn.meta_get(META_FORMAT)? {
+        None if txn.count()? > 0 => {
+            outcome = Err(FormatProblem::Missing);
+            Ok(false)
+        }
+        None => {
+            txn.meta_put(META_FORMAT, crate::FORMAT_VERSION)?;
+            outcome = Ok(0);
+            Ok(true)
+        }
+        Some(v) if v == crate::FORMAT_VERSION => {
+            outcome = Ok(txn.meta_get(META_CLOCK_MS)?.unwrap_or(0));
+            Ok(false)
+        }
+        Some(v) => {
+            outcome = Err(FormatProblem::Unknown(v));
+            Ok(false)
+        }
+    })?;
+    Ok(outcome)
+}

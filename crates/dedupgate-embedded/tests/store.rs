@@ -1,0 +1,502 @@
+//! The embedded store's own behaviour: reopening, the directory lock, the clock floor, and the
+//! clear errors (missing, not a directory, corrupt, unknown format, read-only, full) that leave
+//! the directory as they found it. Failing closed on a real full disk is tested on a tiny tmpfs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedupgate_core::{
+    Claim, GateError, Mark, ManualClock, Op, Outcome, Record, RecordId, State, Store,
+    StoreError, Token,
+};
+use dedupgate_embedded::engine::{ENTRIES_TABLE, META_TABLE};
+use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore, OpenError, DB_FILE_NAME};
+use serde_json::json;
+
+const DAY_MS: u64 = 86_400_000;
+
+fn id(key: &str) -> RecordId {
+    RecordId::new("test", key).unwrap()
+}
+
+fn claim_op() -> Op {
+    Op::Claim {
+        ttl_ms: DAY_MS,
+        lease_ms: 3_600_000,
+        fingerprint: None,
+        owner: None,
+    }
+}
+
+fn mark_op(result: serde_json::Value) -> Op {
+    Op::Mark {
+        ttl_ms: DAY_MS,
+        fingerprint: Some("fp".into()),
+        result: Some(result),
+    }
+}
+
+async fn get(store: &dyn Store, key: &str) -> Result<Option<Record>, GateError> {
+    match store.apply(id(key), Op::Get).await? {
+        Outcome::Found(r) => Ok(r),
+        other => panic!("get answered {other:?}"),
+    }
+}
+
+/// Every file under `dir` with its bytes, to prove an open changed nothing.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            out.insert(e.path(), std::fs::read(e.path()).unwrap_or_default());
+        }
+    }
+    out
+}
+
+fn open(dir: &Path) -> Result<EmbeddedStore, OpenError> {
+    EmbeddedStore::open(dir, EmbeddedOptions::default())
+}
+
+#[tokio::test]
+async fn reopen_after_close_keeps_every_record() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let mut expected: BTreeMap<String, Record> = BTreeMap::new();
+    let mut released = Vec::new();
+    {
+        let store = open(&dir).unwrap();
+        for i in 0..300 {
+            let key = format!("k{i}");
+            match i % 4 {
+                0 => {
+                    let Outcome::Claimed(Claim::New(_)) =
+                        store.apply(id(&key), claim_op()).await.unwrap()
+                    else {
+                        panic!("fresh key")
+                    };
+                }
+                1 => {
+                    let Outcome::Claimed(Claim::New(l)) =
+                        store.apply(id(&key), claim_op()).await.unwrap()
+                    else {
+                        panic!("fresh key")
+                    };
+                    let op = Op::Complete {
+                        token: l.token,
+                        result: Some(json!({"n": i, "s": "ü"})),
+                        ttl_ms: None,
+                    };
+                    store.apply(id(&key), op).await.unwrap();
+                }
+                2 => {
+                    store
+                        .apply(id(&key), mark_op(json!([i, 1.5, null])))
+                        .await
+                        .unwrap();
+                }
+                _ => {
+                    let Outcome::Claimed(Claim::New(l)) =
+                        store.apply(id(&key), claim_op()).await.unwrap()
+                    else {
+                        panic!("fresh key")
+                    };
+                    store
+                        .apply(id(&key), Op::Release { token: l.token })
+                        .await
+                        .unwrap();
+                    released.push((key.clone(), l.fence));
+                    continue;
+                }
+            }
+            expected.insert(key.clone(), get(&store, &key).await.unwrap().unwrap());
+        }
+    }
+    let store = open(&dir).unwrap();
+    for (key, record) in &expected {
+        assert_eq!(get(&store, key).await.unwrap().as_ref(), Some(record), "{key}");
+    }
+    for (key, fence) in released {
+        assert_eq!(get(&store, &key).await.unwrap(), None);
+        // The release tombstone survived the restart: the next claim's fence is higher.
+        let Outcome::Claimed(Claim::New(l)) = store.apply(id(&key), claim_op()).await.unwrap()
+        else {
+            panic!("a released key is free")
+        };
+        assert!(l.fence > fence);
+    }
+}
+
+#[tokio::test]
+async fn the_clock_never_starts_below_the_persisted_high_water_mark() {
+    let tmp = tempfile::tempdir().unwrap();
+    let far_future_ms = 32_503_680_000_000; // year 3000
+    {
+        let clock = Arc::new(ManualClock::new(far_future_ms));
+        let options = EmbeddedOptions {
+            clock: Some(clock),
+            ..EmbeddedOptions::default()
+        };
+        let store = EmbeddedStore::open(tmp.path(), options).unwrap();
+        store.apply(id("k"), claim_op()).await.unwrap();
+    }
+    // Production clock: the system clock, floored at what the store persisted.
+    let store = open(tmp.path()).unwrap();
+    assert!(store.clock().now_ms() >= far_future_ms);
+    // So the lease of the claim made "in the year 3000" is still judged as held.
+    let again = store.apply(id("k"), claim_op()).await.unwrap();
+    assert!(matches!(again, Outcome::Claimed(Claim::Duplicate { .. })));
+}
+
+#[tokio::test]
+async fn a_second_open_of_the_same_directory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path()).unwrap();
+    let err = open(tmp.path()).unwrap_err();
+    assert!(matches!(err, OpenError::Locked { .. }), "{err}");
+    assert!(err.to_string().contains("in use by another process"));
+    drop(store);
+    open(tmp.path()).expect("the lock goes with the store");
+}
+
+/// Run by `a_second_process_gets_a_clear_lock_error` in a child process; a no-op otherwise.
+#[test]
+fn lock_child_process_entry() {
+    let Ok(dir) = std::env::var("DG_LOCK_CHILD_DIR") else {
+        return;
+    };
+    match open(Path::new(&dir)) {
+        Ok(_) => println!("CHILD-OPENED"),
+        Err(e) => println!("CHILD-ERROR {e}"),
+    }
+}
+
+#[tokio::test]
+async fn a_second_process_gets_a_clear_lock_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let _store = open(tmp.path()).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "lock_child_process_entry", "--nocapture"])
+        .env("DG_LOCK_CHILD_DIR", tmp.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("CHILD-ERROR") && stdout.contains("in use by another process"),
+        "child said: {stdout}"
+    );
+}
+
+#[test]
+fn a_missing_directory_is_created_only_when_its_parent_exists() {
+    let tmp = tempfile::tempdir().unwrap();
+    let deep = tmp.path().join("no/such/parent");
+    let err = open(&deep).unwrap_err();
+    assert!(matches!(err, OpenError::ParentMissing { .. }), "{err}");
+    assert!(!tmp.path().join("no").exists());
+
+    let fresh = tmp.path().join("fresh");
+    drop(open(&fresh).unwrap());
+    assert!(fresh.join(DB_FILE_NAME).exists());
+}
+
+#[test]
+fn a_file_where_the_directory_should_be_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let err = open(&file).unwrap_err();
+    assert!(matches!(err, OpenError::NotADirectory { .. }), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"not a directory");
+}
+
+#[test]
+fn a_corrupt_engine_file_is_refused_and_left_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: Vec<Vec<u8>> = vec![
+        b"garbage".to_vec(),
+        (0..100_000u32).map(|i| (i * 7919 % 251) as u8).collect(),
+        vec![0; 4096],
+    ];
+    for (n, bytes) in cases.into_iter().enumerate() {
+        let dir = tmp.path().join(format!("c{n}"));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(DB_FILE_NAME), &bytes).unwrap();
+        let before = snapshot(&dir);
+        let err = open(&dir).expect_err("a corrupt file must not open");
+        eprintln!("case {n}: {err}");
+        assert!(
+            matches!(err, OpenError::Corrupt { .. }),
+            "{err}"
+        );
+        assert_eq!(snapshot(&dir), before, "case {n}: the open changed the directory");
+    }
+}
+
+#[test]
+fn an_unknown_format_version_is_refused_with_a_clear_message() {
+    let tmp = tempfile::tempdir().unwrap();
+    drop(open(tmp.path()).unwrap());
+    {
+        let db = redb::Database::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META_TABLE)
+            .unwrap()
+            .insert("format_version", 99)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    let before = snapshot(tmp.path());
+    let err = open(tmp.path()).unwrap_err();
+    assert!(matches!(err, OpenError::UnknownFormat { found: 99, .. }), "{err}");
+    assert!(err.to_string().contains("format version 99"));
+    assert_eq!(snapshot(tmp.path()), before);
+}
+
+#[tokio::test]
+async fn a_corrupt_entry_is_an_error_never_absent() {
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let store = open(tmp.path()).unwrap();
+        store.apply(id("good"), mark_op(json!(1))).await.unwrap();
+        store.apply(id("bad"), mark_op(json!(2))).await.unwrap();
+    }
+    {
+        let db = redb::Database::open(tmp.path().join(DB_FILE_NAME)).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut t = txn.open_table(ENTRIES_TABLE).unwrap();
+            // The id encoding: namespace length, namespace, key.
+            t.insert(&b"\x04testbad"[..], &b"\x01\x07junk"[..]).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = open(tmp.path()).unwrap();
+    for op in [Op::Get, claim_op(), mark_op(json!(3)), Op::Forget] {
+        let r = store.apply(id("bad"), op).await;
+        assert!(
+            matches!(r, Err(GateError::Store(StoreError::Corrupt(_)))),
+            "{r:?}"
+        );
+    }
+    // In a batch only that op fails; the store stays up for every other key.
+    let answers = store
+        .apply_batch(vec![(id("bad"), Op::Get), (id("good"), Op::Get)])
+        .await;
+    assert!(matches!(answers[0], Err(GateError::Store(StoreError::Corrupt(_)))));
+    assert!(matches!(&answers[1], Ok(Outcome::Found(Some(r))) if r.state == State::Completed));
+    store.health().await.unwrap();
+}
+
+#[tokio::test]
+async fn batches_see_earlier_ops_and_share_one_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path()).unwrap();
+    let before = store.commits_total();
+    let answers = store
+        .apply_batch(vec![
+            (id("b"), claim_op()),
+            (id("b"), claim_op()),
+            (id("b"), Op::Release { token: Token::new("nope") }),
+            (id("m"), mark_op(json!("r"))),
+            (id("m"), Op::Get),
+        ])
+        .await;
+    assert!(matches!(answers[0], Ok(Outcome::Claimed(Claim::New(_)))));
+    assert!(matches!(answers[1], Ok(Outcome::Claimed(Claim::Duplicate { .. }))));
+    assert!(matches!(answers[2], Err(GateError::LeaseLost)));
+    assert!(matches!(answers[3], Ok(Outcome::Marked(Mark::New { .. }))));
+    assert!(matches!(&answers[4], Ok(Outcome::Found(Some(r))) if r.result == Some(json!("r"))));
+    assert_eq!(store.commits_total(), before + 1);
+}
+
+#[tokio::test]
+async fn the_background_sweeper_bounds_what_is_held() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let options = EmbeddedOptions {
+        clock: Some(Arc::new(clock.clone())),
+        sweep_interval_ms: 20,
+        sweep_batch_max: 50,
+        ..EmbeddedOptions::default()
+    };
+    let store = EmbeddedStore::open(tmp.path(), options).unwrap();
+    let ops = (0..500)
+        .map(|i| {
+            let op = Op::Mark {
+                ttl_ms: 1_000,
+                fingerprint: None,
+                result: None,
+            };
+            (id(&format!("s{i}")), op)
+        })
+        .collect();
+    store.apply_batch(ops).await;
+    store.apply(id("keeper"), mark_op(json!(0))).await.unwrap();
+    assert_eq!(store.stats().await.unwrap().records_held, Some(501));
+    clock.advance(1_000);
+    // No explicit sweep: the background thread removes them in batches of 50.
+    for _ in 0..500 {
+        if store.stats().await.unwrap().records_held == Some(1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.records_held, Some(1));
+    assert_eq!(stats.swept_total, Some(500));
+    assert!(get(&store, "keeper").await.unwrap().is_some());
+}
+
+/// A tmpfs mounted for one test, unmounted on drop. `None` where this process may not mount
+/// (not root): the tests that need a real full or read-only file system then say so and stop.
+struct Tmpfs {
+    path: PathBuf,
+    _parent: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Option<Self> {
+        let parent = tempfile::tempdir().unwrap();
+        let path = parent.path().join("mnt");
+        std::fs::create_dir(&path).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&path)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("SKIPPED: cannot mount a tmpfs here (needs root); this case is not checked");
+            return None;
+        }
+        Some(Self {
+            path,
+            _parent: parent,
+        })
+    }
+
+    fn remount(&self, mode: &str) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,{mode}")])
+            .arg(&self.path)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "remount {mode} failed");
+    }
+
+    /// Writes a filler file until the file system is full.
+    fn fill(&self) -> PathBuf {
+        use std::io::Write;
+        let filler = self.path.join("filler");
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![0xAB; 4096];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+        filler
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}
+
+#[test]
+fn a_full_disk_refuses_a_new_store_and_leaves_nothing_behind() {
+    let Some(fs) = Tmpfs::mount("2m") else { return };
+    fs.fill();
+    let dir = fs.path.join("store");
+    let err = open(&dir).unwrap_err();
+    eprintln!("{err}");
+    assert!(matches!(err, OpenError::Full { .. }), "{err}");
+    assert!(err.to_string().contains("no space left"));
+    assert!(!dir.exists(), "a failed open left the directory behind");
+}
+
+#[tokio::test]
+async fn a_read_only_file_system_is_refused_and_unchanged() {
+    let Some(fs) = Tmpfs::mount("16m") else { return };
+    let dir = fs.path.join("store");
+    {
+        let store = open(&dir).unwrap();
+        store.apply(id("k"), mark_op(json!(1))).await.unwrap();
+    }
+    fs.remount("ro");
+    let before = snapshot(&dir);
+    let err = open(&dir).unwrap_err();
+    eprintln!("{err}");
+    assert!(matches!(err, OpenError::ReadOnly { .. }), "{err}");
+    assert!(err.to_string().contains("read-only"));
+    assert_eq!(snapshot(&dir), before);
+    fs.remount("rw");
+    let store = open(&dir).unwrap();
+    assert!(get(&store, "k").await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
+    let Some(fs) = Tmpfs::mount("24m") else { return };
+    let dir = fs.path.join("store");
+    let store = Arc::new(open(&dir).unwrap());
+    let mut acked: Vec<(String, Record)> = Vec::new();
+    for i in 0..50 {
+        let key = format!("e{i}");
+        let Outcome::Marked(Mark::New { record }) =
+            store.apply(id(&key), mark_op(json!(i))).await.unwrap()
+        else {
+            panic!("fresh key")
+        };
+        acked.push((key, record));
+    }
+    let filler = fs.fill();
+    // Results big enough that the engine must grow its file: the disk is full, so it cannot.
+    let big = json!("x".repeat(60_000));
+    let mut first_failure = None;
+    for i in 0..5_000 {
+        let key = format!("f{i}");
+        match store.apply(id(&key), mark_op(big.clone())).await {
+            Ok(Outcome::Marked(Mark::New { record })) => acked.push((key, record)),
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(GateError::Store(StoreError::Unavailable(why))) => {
+                first_failure = Some(why);
+                break;
+            }
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+    let why = first_failure.expect("a full disk must make a write fail");
+    eprintln!("acknowledged {} before the failure: {why}", acked.len());
+    // While the disk stays full, nothing is acknowledged: every write answers unavailable
+    // (the reopened engine cannot commit either, and fails closed again).
+    for i in 0..20 {
+        let r = store.apply(id(&format!("g{i}")), mark_op(big.clone())).await;
+        assert!(
+            matches!(r, Err(GateError::Store(StoreError::Unavailable(_)))),
+            "a write on a full disk answered {r:?}"
+        );
+    }
+    // Free the space: the writer reopens by itself and the store resumes.
+    std::fs::remove_file(filler).unwrap();
+    let mut resumed = false;
+    for _ in 0..300 {
+        if store.health().await.is_ok()
+            && store.apply(id("after"), mark_op(json!(1))).await.is_ok()
+        {
+            resumed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(resumed, "the store never reopened after space was freed");
+    drop(store);
+    let store = open(&dir).unwrap();
+    for (key, record) in &acked {
+        assert_eq!(get(&store, key).await.unwrap().as_ref(), Some(record), "{key}");
+    }
+    assert!(get(&store, "after").await.unwrap().is_some());
+}
