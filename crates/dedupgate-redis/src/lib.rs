@@ -1,0 +1,84 @@
+//! # dedupgate-redis
+//!
+//! The gate's records in Redis or Redis Cluster.
+//!
+//! - [`RedisStore`]: the [`dedupgate_core::Store`] over one server (`redis://…`, through a
+//!   reconnecting [`redis::aio::ConnectionManager`]) or a cluster (`redis+cluster://h:p,…`).
+//!   Every operation is one run of the Lua script [`DECIDE_LUA`], which re-expresses
+//!   [`dedupgate_core::decide`] on Redis's own clock (`TIME`, `PXAT`); a batch is one pipeline
+//!   of script calls (one per slot on a cluster).
+//! - [`RedisOptions`]: durability (`WAIT` replicas), key prefix and timeouts, read from the URL's
+//!   query string.
+//! - [`keys`]: the key layout — a record and its fence keeper share one hash tag.
+//! - [`OpenError`]: why a store would not open (bad URL, unreachable server, an eviction policy
+//!   that could drop records).
+//! - `testkit` (feature): start real `redis-server` processes and clusters for tests.
+//!
+//! What an acknowledged claim survives (persistence, replication, failover) is in `docs/redis.md`.
+
+pub mod keys;
+mod options;
+mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use options::{redact, RedisOptions};
+pub use store::{RedisStore, DECIDE_LUA};
+
+/// Why a Redis store would not open.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The URL cannot be used.
+    #[error("invalid Redis URL: {0}")]
+    Url(String),
+    /// A store option in the URL's query string is wrong.
+    #[error("Redis store option {name}: {reason}")]
+    Option {
+        /// The option.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The server could not be reached.
+    #[error("cannot reach Redis at {url}: {reason}")]
+    Connect {
+        /// The server (password redacted).
+        url: String,
+        /// The connection error.
+        reason: String,
+    },
+    /// The server may evict keys, and an evicted record lets a duplicate through.
+    #[error(
+        "Redis at {url} has maxmemory-policy {policy}: it may evict dedup records under memory \
+         pressure, which lets duplicates through. Set `maxmemory-policy noeviction` (writes then \
+         fail as `unavailable` when memory is full) or use a dedicated server"
+    )]
+    EvictionPolicy {
+        /// The server.
+        url: String,
+        /// Its policy.
+        policy: String,
+    },
+    /// The eviction policy could not be read (e.g. `CONFIG` is disabled or renamed).
+    #[error(
+        "cannot read maxmemory-policy from Redis at {url} ({reason}). If CONFIG is disabled on \
+         purpose and the policy is noeviction, add `assume_noeviction=true` to the store URL's \
+         query string"
+    )]
+    ConfigUnavailable {
+        /// The server.
+        url: String,
+        /// Why it could not be read.
+        reason: String,
+    },
+}
+
+impl From<OpenError> for dedupgate_core::StoreError {
+    fn from(e: OpenError) -> Self {
+        match e {
+            OpenError::Connect { .. } => Self::Unavailable(e.to_string()),
+            _ => Self::Config(e.to_string()),
+        }
+    }
+}

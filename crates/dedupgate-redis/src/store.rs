@@ -1,0 +1,586 @@
+//! [`RedisStore`]: the [`Store`] trait over one Redis server or a Redis Cluster.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dedupgate_core::{
+    Claim, GateError, InvalidInput, Lease, Mark, Op, Outcome, Record, RecordId, State, Store,
+    StoreError, Token,
+};
+use futures::stream::{self, StreamExt};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::{Cmd, Pipeline, Value};
+
+use crate::keys::{record_keys, RecordKeys};
+use crate::options::{cluster_nodes, redact, RedisOptions};
+use crate::OpenError;
+
+/// The decision script: `dedupgate_core::decide` re-expressed in Lua.
+pub const DECIDE_LUA: &str = include_str!("decide.lua");
+
+/// Most slot groups of one batch in flight at once on a cluster.
+const CLUSTER_GROUPS_IN_FLIGHT_MAX: usize = 64;
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn pipeline(&self, pipe: &Pipeline, count: usize) -> redis::RedisResult<Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.clone().req_packed_commands(pipe, 0, count).await,
+            Conn::Cluster(c) => c.clone().req_packed_commands(pipe, 0, count).await,
+        }
+    }
+}
+
+/// The gate's records in Redis. Every operation is one atomic Lua script judged on Redis's own
+/// clock; a batch is one pipeline (per slot on a cluster). See `docs/redis.md`.
+pub struct RedisStore {
+    conn: Conn,
+    opts: RedisOptions,
+    script: redis::Script,
+    describe: String,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe)
+    }
+}
+
+/// One valid operation on its way to the script.
+struct Prepared {
+    index: usize,
+    id: RecordId,
+    keys: RecordKeys,
+    op: Op,
+}
+
+impl RedisStore {
+    /// Opens `redis://…`, `rediss://…`, `redis+unix://…` or `redis+cluster://h:p,h:p…`, with the
+    /// store's options in the query string (see [`RedisOptions`]). Refuses a server whose
+    /// `maxmemory-policy` could evict records.
+    pub async fn open(url: &str) -> Result<Self, OpenError> {
+        let (opts, url) = RedisOptions::from_url(url)?;
+        Self::open_with(&url, opts).await
+    }
+
+    /// Opens `url` (without store options) with `opts`.
+    pub async fn open_with(url: &str, opts: RedisOptions) -> Result<Self, OpenError> {
+        let shown = redact(url);
+        let connect_err = |e: redis::RedisError| OpenError::Connect {
+            url: shown.clone(),
+            reason: e.to_string(),
+        };
+        let conn = if url.starts_with("redis+cluster://") {
+            let nodes = cluster_nodes(url)?;
+            let client = ClusterClientBuilder::new(nodes)
+                .connection_timeout(Duration::from_millis(opts.connect_timeout_ms))
+                .response_timeout(Duration::from_millis(opts.response_timeout_ms))
+                .retries(2)
+                .min_retry_wait(20)
+                .max_retry_wait(200)
+                .build()
+                .map_err(|e| OpenError::Url(format!("{shown}: {e}")))?;
+            Conn::Cluster(client.get_async_connection().await.map_err(connect_err)?)
+        } else {
+            let client =
+                redis::Client::open(url).map_err(|e| OpenError::Url(format!("{shown}: {e}")))?;
+            // Few reconnection retries: while Redis is down an operation should fail fast as
+            // `unavailable`; the next operation tries to reconnect again.
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(Duration::from_millis(opts.connect_timeout_ms)))
+                .set_response_timeout(Some(Duration::from_millis(opts.response_timeout_ms)))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(20))
+                .set_max_delay(Duration::from_millis(200));
+            Conn::Single(
+                ConnectionManager::new_with_config(client, config)
+                    .await
+                    .map_err(connect_err)?,
+            )
+        };
+        let mut describe = format!("redis: {shown}");
+        if opts.wait_replicas > 0 {
+            describe.push_str(&format!(
+                " (WAIT {} replicas, {} ms)",
+                opts.wait_replicas, opts.wait_timeout_ms
+            ));
+        }
+        let store = Self {
+            conn,
+            script: redis::Script::new(DECIDE_LUA),
+            opts,
+            describe,
+        };
+        store.check_eviction_policy(&shown).await?;
+        Ok(store)
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &RedisOptions {
+        &self.opts
+    }
+
+    /// Refuses servers that may evict keys: an evicted record lets a duplicate through.
+    async fn check_eviction_policy(&self, shown: &str) -> Result<(), OpenError> {
+        if self.opts.assume_noeviction {
+            return Ok(());
+        }
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        let replies: Vec<(String, Value)> = match &self.conn {
+            Conn::Single(c) => vec![(shown.to_owned(), c.clone().req_packed_command(&cmd).await)],
+            Conn::Cluster(c) => {
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.clone().route_command(cmd, routing).await {
+                    Ok(Value::Map(per_node)) => per_node
+                        .into_iter()
+                        .map(|(node, v)| (text(&node).unwrap_or_default(), Ok(v)))
+                        .collect(),
+                    other => vec![(shown.to_owned(), other)],
+                }
+            }
+        }
+        .into_iter()
+        .map(|(node, r)| match r {
+            Ok(Value::ServerError(e)) => (node, Err(redis::RedisError::from(e))),
+            other => (node, other),
+        })
+        .map(|(node, r)| {
+            r.map(|v| (node.clone(), v)).map_err(|e| OpenError::ConfigUnavailable {
+                url: node,
+                reason: e.to_string(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+        for (node, v) in replies {
+            let policy = policy_of(&v).ok_or_else(|| OpenError::ConfigUnavailable {
+                url: node.clone(),
+                reason: format!("unexpected CONFIG GET reply {v:?}"),
+            })?;
+            if policy != "noeviction" {
+                return Err(OpenError::EvictionPolicy { url: node, policy });
+            }
+        }
+        Ok(())
+    }
+
+    fn eval_cmd(&self, chunk: &[Prepared]) -> Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash()).arg(chunk.len() * 2);
+        for p in chunk {
+            cmd.arg(&p.keys.record[..]).arg(&p.keys.fence[..]);
+        }
+        cmd.arg(self.opts.fence_keep_ms);
+        for p in chunk {
+            push_op_args(&mut cmd, &p.op);
+        }
+        cmd
+    }
+
+    /// Sends one pipeline of script calls (all in one slot on a cluster), reloading the script
+    /// once if the server lost it, then `WAIT`s if asked. One answer per call.
+    async fn send(&self, calls: Vec<Cmd>, writes: bool) -> Vec<Result<Value, StoreError>> {
+        let wait = writes && self.opts.wait_replicas > 0;
+        let n = calls.len();
+        let mut answers: Vec<Option<Result<Value, StoreError>>> = (0..n).map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..n).collect();
+        let mut wait_acked: Option<i64> = None;
+        for attempt in 0..2 {
+            let mut pipe = redis::pipe();
+            if attempt > 0 {
+                pipe.cmd("SCRIPT").arg("LOAD").arg(DECIDE_LUA);
+            }
+            let skip = usize::from(attempt > 0);
+            for &i in &pending {
+                pipe.add_command(calls[i].clone());
+            }
+            if wait {
+                pipe.cmd("WAIT")
+                    .arg(self.opts.wait_replicas)
+                    .arg(self.opts.wait_timeout_ms);
+            }
+            let count = skip + pending.len() + usize::from(wait);
+            let values = match self.conn.pipeline(&pipe, count).await {
+                Ok(values) if values.len() == count => values,
+                Ok(values) => {
+                    let e = StoreError::Unavailable(format!(
+                        "redis answered {} replies to a pipeline of {count}",
+                        values.len()
+                    ));
+                    return fail_all(answers, &e);
+                }
+                Err(e) if is_noscript(&e) && attempt == 0 => {
+                    continue; // every call of the pipeline missed the script: reload and resend
+                }
+                Err(e) => return fail_all(answers, &StoreError::unavailable(e)),
+            };
+            let mut values = values.into_iter().skip(skip);
+            let mut missed = Vec::new();
+            for &i in &pending {
+                let v = values.next().unwrap_or(Value::Nil);
+                match v {
+                    Value::ServerError(e) if e.code() == "NOSCRIPT" && attempt == 0 => {
+                        missed.push(i);
+                    }
+                    other => answers[i] = Some(Ok(other)),
+                }
+            }
+            if wait {
+                wait_acked = match values.next() {
+                    Some(Value::Int(acked)) => Some(acked),
+                    _ => Some(-1),
+                };
+            }
+            pending = missed;
+            if pending.is_empty() {
+                break;
+            }
+        }
+        if let Some(acked) = wait_acked {
+            if acked < i64::from(self.opts.wait_replicas) {
+                let e = StoreError::Unavailable(format!(
+                    "only {} of {} replicas acknowledged the write within {} ms (WAIT)",
+                    acked.max(0),
+                    self.opts.wait_replicas,
+                    self.opts.wait_timeout_ms
+                ));
+                return fail_all(answers, &e);
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(StoreError::Unavailable("no reply".to_owned()))))
+            .collect()
+    }
+
+    /// Decides one run of prepared ops that share a connection (all ops on one server, or one
+    /// slot on a cluster): chunks them into script calls, sends them in one pipeline.
+    async fn run_group(&self, group: Vec<Prepared>) -> Vec<(usize, Result<Outcome, GateError>)> {
+        let writes = group.iter().any(|p| p.op.writes());
+        let chunks: Vec<&[Prepared]> = group.chunks(self.opts.script_ops_max).collect();
+        let calls: Vec<Cmd> = chunks
+            .iter()
+            .map(|chunk| self.eval_cmd(chunk))
+            .collect();
+        let answers = self.send(calls, writes).await;
+        let mut out = Vec::with_capacity(group.len());
+        for (chunk, answer) in chunks.into_iter().zip(answers) {
+            match answer.and_then(|v| match v {
+                Value::Array(items) if items.len() == chunk.len() => Ok(items),
+                Value::ServerError(e) => Err(server_error(e)),
+                other => Err(StoreError::Corrupt(format!(
+                    "unexpected script reply {other:?}"
+                ))),
+            }) {
+                Ok(items) => {
+                    for (p, item) in chunk.iter().zip(items) {
+                        out.push((p.index, decode(&p.id, &p.op, item)));
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    for p in chunk {
+                        let err = match &e {
+                            StoreError::Corrupt(_) => StoreError::Corrupt(msg.clone()),
+                            _ => StoreError::Unavailable(msg.clone()),
+                        };
+                        out.push((p.index, Err(GateError::Store(err))));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    async fn decide_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        let mut answers: Vec<Option<Result<Outcome, GateError>>> = Vec::with_capacity(ops.len());
+        let mut prepared = Vec::with_capacity(ops.len());
+        for (index, (id, op)) in ops.into_iter().enumerate() {
+            match op.validate() {
+                Err(e) => answers.push(Some(Err(GateError::Invalid(e)))),
+                Ok(()) => {
+                    answers.push(None);
+                    let keys = record_keys(&self.opts.key_prefix, &id);
+                    prepared.push(Prepared {
+                        index,
+                        id,
+                        keys,
+                        op,
+                    });
+                }
+            }
+        }
+        let decided: Vec<(usize, Result<Outcome, GateError>)> = match &self.conn {
+            Conn::Single(_) => self.run_group(prepared).await,
+            Conn::Cluster(_) => {
+                // One pipeline per slot (a pipeline on a cluster may not cross slots), in
+                // flight together; ops keep their order within a slot, and ops on one record
+                // always share a slot.
+                let mut by_slot: BTreeMap<u16, Vec<Prepared>> = BTreeMap::new();
+                for p in prepared {
+                    by_slot.entry(p.keys.slot).or_default().push(p);
+                }
+                stream::iter(by_slot.into_values())
+                    .map(|group| self.run_group(group))
+                    .buffer_unordered(CLUSTER_GROUPS_IN_FLIGHT_MAX)
+                    .flat_map(stream::iter)
+                    .collect()
+                    .await
+            }
+        };
+        for (index, answer) in decided {
+            answers[index] = Some(answer);
+        }
+        answers
+            .into_iter()
+            .map(|a| {
+                a.unwrap_or_else(|| {
+                    Err(GateError::Store(StoreError::Unavailable(
+                        "no answer".to_owned(),
+                    )))
+                })
+            })
+            .collect()
+    }
+}
+
+fn fail_all(
+    answers: Vec<Option<Result<Value, StoreError>>>,
+    e: &StoreError,
+) -> Vec<Result<Value, StoreError>> {
+    answers
+        .into_iter()
+        .map(|_| Err(StoreError::Unavailable(e.to_string())))
+        .collect()
+}
+
+fn is_noscript(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
+
+fn server_error(e: redis::ServerError) -> StoreError {
+    if e.code() == "DGCORRUPT" {
+        StoreError::Corrupt(e.details().unwrap_or("record cannot be read").to_owned())
+    } else {
+        StoreError::Unavailable(format!("redis refused: {e}"))
+    }
+}
+
+fn policy_of(v: &Value) -> Option<String> {
+    match v {
+        Value::Array(items) if items.len() == 2 => text(&items[1]),
+        Value::Map(pairs) if pairs.len() == 1 => text(&pairs[0].1),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// Pushes an op's code and its five arguments (see `decide.lua`). Claims get a fresh random
+/// token, which the script keeps only if it creates a claim.
+fn push_op_args(cmd: &mut Cmd, op: &Op) {
+    let opt = |s: &Option<String>| s.as_deref().unwrap_or("").to_owned();
+    let json = |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
+    let args: [String; 6] = match op {
+        Op::Claim {
+            ttl_ms,
+            lease_ms,
+            fingerprint,
+            owner,
+        } => [
+            "C".into(),
+            ttl_ms.to_string(),
+            lease_ms.to_string(),
+            opt(fingerprint),
+            opt(owner),
+            Token::generate().as_str().to_owned(),
+        ],
+        Op::Mark {
+            ttl_ms,
+            fingerprint,
+            result,
+        } => [
+            "M".into(),
+            ttl_ms.to_string(),
+            opt(fingerprint),
+            json(result),
+            String::new(),
+            String::new(),
+        ],
+        Op::Complete {
+            token,
+            result,
+            ttl_ms,
+        } => [
+            "K".into(),
+            token.as_str().to_owned(),
+            json(result),
+            ttl_ms.map(|t| t.to_string()).unwrap_or_default(),
+            String::new(),
+            String::new(),
+        ],
+        Op::Release { token } => [
+            "R".into(),
+            token.as_str().to_owned(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ],
+        Op::Extend { token, lease_ms } => [
+            "X".into(),
+            token.as_str().to_owned(),
+            lease_ms.to_string(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ],
+        Op::Get => ["G".into(), String::new(), String::new(), String::new(), String::new(), String::new()],
+        Op::Forget => ["F".into(), String::new(), String::new(), String::new(), String::new(), String::new()],
+    };
+    for a in args {
+        cmd.arg(a);
+    }
+}
+
+/// Turns one op's script reply into its outcome.
+fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
+    let corrupt = |what: &str| GateError::Store(StoreError::Corrupt(format!("script reply: {what}")));
+    let Value::Array(items) = v else {
+        return Err(corrupt("not an array"));
+    };
+    let tag = items.first().and_then(text).ok_or_else(|| corrupt("no tag"))?;
+    if tag == "E" {
+        return match items.get(1).and_then(text).as_deref() {
+            Some("lease_lost") => Err(GateError::LeaseLost),
+            Some("fingerprint_mismatch") => Err(GateError::FingerprintMismatch),
+            _ => Err(corrupt("unknown refusal")),
+        };
+    }
+    let rec = |items: &[Value]| parse_record(id, &items[1..]).ok_or_else(|| corrupt("bad record"));
+    let outcome = match (op, tag.as_str()) {
+        (Op::Claim { .. }, "N") => {
+            let s = |i: usize| items.get(i).and_then(text).ok_or_else(|| corrupt("bad lease"));
+            let n = |i: usize| s(i)?.parse::<u64>().map_err(|_| corrupt("bad number"));
+            Outcome::Claimed(Claim::New(Lease {
+                token: Token::new(s(1)?),
+                fence: n(2)?,
+                lease_expires_at_ms: n(3)?,
+                expires_at_ms: n(4)?,
+            }))
+        }
+        (Op::Claim { .. }, "D") => Outcome::Claimed(Claim::Duplicate { record: rec(&items)? }),
+        (Op::Mark { .. }, "M") => Outcome::Marked(Mark::New { record: rec(&items)? }),
+        (Op::Mark { .. }, "D") => Outcome::Marked(Mark::Duplicate { record: rec(&items)? }),
+        (Op::Complete { .. }, "K") => Outcome::Completed(rec(&items)?),
+        (Op::Release { .. }, "R") => Outcome::Released,
+        (Op::Extend { .. }, "X") => Outcome::Extended {
+            lease_expires_at_ms: items
+                .get(1)
+                .and_then(text)
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| corrupt("bad lease end"))?,
+        },
+        (Op::Get, "G") if items.len() == 1 => Outcome::Found(None),
+        (Op::Get, "G") => Outcome::Found(Some(rec(&items)?)),
+        (Op::Forget, "F") => Outcome::Forgotten(matches!(items.get(1), Some(Value::Int(1)))),
+        _ => return Err(corrupt(&format!("tag {tag} does not answer {}", op.name()))),
+    };
+    Ok(outcome)
+}
+
+/// Parses `state, fence, fingerprint, owner, created, expires, lease, completed, result`.
+fn parse_record(id: &RecordId, f: &[Value]) -> Option<Record> {
+    if f.len() != 9 {
+        return None;
+    }
+    let opt_text = |v: &Value| match v {
+        Value::Nil => Some(None),
+        other => text(other).map(Some),
+    };
+    let num = |v: &Value| text(v)?.parse::<u64>().ok();
+    let opt_num = |v: &Value| match v {
+        Value::Nil => Some(None),
+        other => num(other).map(Some),
+    };
+    let state = match text(&f[0])?.as_str() {
+        "in_progress" => State::InProgress,
+        "completed" => State::Completed,
+        _ => return None,
+    };
+    let result = match &f[8] {
+        Value::Nil => None,
+        Value::BulkString(b) => Some(serde_json::from_slice(b).ok()?),
+        _ => return None,
+    };
+    Some(Record {
+        namespace: id.namespace.clone(),
+        key: id.key.clone(),
+        state,
+        fence: num(&f[1])?,
+        fingerprint: opt_text(&f[2])?,
+        owner: opt_text(&f[3])?,
+        created_at_ms: num(&f[4])?,
+        expires_at_ms: num(&f[5])?,
+        lease_expires_at_ms: opt_num(&f[6])?,
+        completed_at_ms: opt_num(&f[7])?,
+        result,
+    })
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+        self.decide_batch(vec![(id, op)])
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(GateError::Invalid(InvalidInput::new("op", "no answer"))))
+    }
+
+    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        self.decide_batch(ops).await
+    }
+
+    async fn health(&self) -> Result<(), StoreError> {
+        let cmd = redis::cmd("PING");
+        let r = match &self.conn {
+            Conn::Single(c) => c.clone().req_packed_command(&cmd).await,
+            Conn::Cluster(c) => {
+                let routing = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
+                ));
+                c.clone().route_command(cmd, routing).await
+            }
+        };
+        match r {
+            Ok(Value::ServerError(e)) => Err(server_error(e)),
+            Ok(_) => Ok(()),
+            Err(e) => Err(StoreError::unavailable(e)),
+        }
+    }
+
+    async fn sweep_expired(&self, _batch_max: usize) -> Result<u64, StoreError> {
+        // Records carry their expiry (PXAT): Redis removes them itself.
+        Ok(0)
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+}

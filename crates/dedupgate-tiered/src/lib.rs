@@ -1,0 +1,1 @@
+//! Tiered store (work in progress).
