@@ -99,6 +99,12 @@ impl Default for StoreSpec {
 pub async fn open(spec: &StoreSpec) -> anyhow::Result<Arc<dyn Store>> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
+        StoreSpec::Postgres(url) => {
+            let store = dedupgate_postgres::PgStore::open(url)
+                .await
+                .context("opening the PostgreSQL store")?;
+            Ok(Arc::new(store))
+        }
         other => bail!("store {other:?} is not available in this build"),
     }
 }
