@@ -1,0 +1,46 @@
+//! Errors of the proxy crate. Outcomes a caller sees on the wire (409, 422, …) are responses,
+//! not errors; these are the failures to start or to read what was stored.
+
+/// The configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A field is malformed or out of range.
+    #[error("invalid proxy configuration: {0}")]
+    Invalid(String),
+    /// The upstream URL is unusable.
+    #[error("invalid upstream {url:?}: {reason}")]
+    Upstream {
+        /// The URL as given.
+        url: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// TLS material (CA file, key) could not be loaded.
+    #[error("TLS setup failed: {0}")]
+    Tls(String),
+}
+
+/// A stored response could not be turned back into a response.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoredError {
+    /// The stored JSON is not a response this crate wrote.
+    #[error("stored response is malformed: {0}")]
+    Malformed(String),
+    /// The response is encrypted and no key, or another key, is configured.
+    #[error("stored response cannot be decrypted: {0}")]
+    Sealed(String),
+}
+
+/// The proxy server failed to start or stopped on an I/O error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Binding or accepting failed.
+    #[error("proxy I/O: {0}")]
+    Io(#[from] std::io::Error),
+}

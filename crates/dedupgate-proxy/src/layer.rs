@@ -1,0 +1,526 @@
+//! [`IdempotencyLayer`]: the Idempotency-Key semantics as a tower layer. The proxy server is
+//! this layer around a forwarding service; a Rust service puts it around its own router.
+//!
+//! The layer only translates: a gated request becomes a `Claim` (key = caller scope, method,
+//! path and `Idempotency-Key`; fingerprint = method, path, body), and the core's answer becomes
+//! the response: `New` runs the inner service (renewing the lease meanwhile) and then `Complete`s
+//! with the stored response or `Release`s on 5xx/409/429/failure; a completed `Duplicate` is
+//! replayed; an in-progress one is a 409 (or a wait); a fingerprint mismatch is a 422.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, State, Store, Token};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::config::IdempotencyConfig;
+use crate::error::ConfigError;
+use crate::key::{caller_scope, fingerprint, idempotency_key, record_key};
+use crate::problem::problem;
+use crate::stored::StoredResponse;
+use crate::BoxError;
+
+/// Longest pause between polls of an in-flight duplicate under `wait`.
+const WAIT_POLL_MS_MAX: u64 = 250;
+/// Attempts at storing a completed response when the store is briefly unavailable.
+const COMPLETE_ATTEMPTS_MAX: u32 = 3;
+
+struct Shared {
+    store: Arc<dyn Store>,
+    config: IdempotencyConfig,
+}
+
+/// Gives the wrapped service Idempotency-Key semantics over a dedupgate [`Store`].
+///
+/// The inner service must accept and return bodies that can be built from [`Bytes`] (axum's
+/// `Body` and this crate's [`crate::ProxyBody`] can), because a gated request is buffered to be
+/// fingerprinted and a first response is buffered to be stored.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.shared.store.describe())
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store`. Fails on a configuration the store would refuse.
+    pub fn new(store: Arc<dyn Store>, config: IdempotencyConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            shared: Arc::new(Shared { store, config }),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &IdempotencyConfig {
+        &self.shared.config
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] makes.
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> std::fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("store", &self.shared.store.describe())
+            .finish_non_exhaustive()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+impl<S, B, RB> Service<Request<B>> for IdempotencyService<S>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<RB>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<RB>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The instance that was polled ready serves this call; a fresh clone takes its place.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(handle(shared, inner, req))
+    }
+}
+
+/// What became of one attempt at the inner service.
+enum Attempt<RB, E> {
+    /// The inner service failed: release, pass the error on.
+    Failed(E),
+    /// A response that must not be kept (5xx, 409, 429): release, pass it on unbuffered.
+    Release(Response<RB>),
+    /// The response body broke off: release, answer 502.
+    BodyFailed(BoxError),
+    /// A final response, buffered: complete with it.
+    Done {
+        stored: StoredResponse,
+        first: Response<RB>,
+    },
+}
+
+async fn handle<S, B, RB>(
+    shared: Arc<Shared>,
+    inner: S,
+    req: Request<B>,
+) -> Result<Response<RB>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let config = &shared.config;
+    let requirement = config.requirement(req.method(), req.uri().path());
+    let required = match requirement {
+        None | Some(crate::config::Requirement::Off) => return passthrough(inner, req).await,
+        Some(r) => r == crate::config::Requirement::Required,
+    };
+    let key = match idempotency_key(req.headers()) {
+        Ok(Some(k)) => k,
+        Ok(None) if required => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!(
+                    "{} {} requires an Idempotency-Key header",
+                    req.method(),
+                    req.uri().path()
+                ),
+            ))
+        }
+        Ok(None) => return passthrough(inner, req).await,
+        Err(e) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid_request", e)),
+    };
+
+    let (parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > config.request_bytes_max) {
+        return Ok(too_large(config.request_bytes_max));
+    }
+    let limit = usize::try_from(config.request_bytes_max).unwrap_or(usize::MAX);
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if is_length_limit(e.as_ref()) => return Ok(too_large(config.request_bytes_max)),
+        Err(e) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("the request body could not be read: {e}"),
+            ))
+        }
+    };
+
+    let scope = caller_scope(
+        parts
+            .headers
+            .get(&config.scope_header)
+            .map(|v| v.as_bytes()),
+    );
+    let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let id = match RecordId::new(
+        config.namespace.clone(),
+        record_key(&scope, &parts.method, parts.uri.path(), &key),
+    ) {
+        Ok(id) => id,
+        Err(e) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid_request", e)),
+    };
+    let fp = fingerprint(&parts.method, path_and_query, &body);
+    let req = Request::from_parts(parts, B::from(body));
+
+    // From the claim on, the work runs in its own task: if the caller hangs up, the upstream
+    // call still finishes and its response is still stored (or the claim released), so the
+    // caller's retry is replayed rather than executed again.
+    match tokio::spawn(gated(shared.clone(), inner, id, fp, req)).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "idempotency task failed");
+            Ok(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the request task failed; it may or may not have run",
+            ))
+        }
+    }
+}
+
+async fn passthrough<S, B, RB>(mut inner: S, req: Request<B>) -> Result<Response<RB>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+{
+    futures::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(req).await
+}
+
+fn too_large<RB: From<Bytes>>(max: u64) -> Response<RB> {
+    problem(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+        format!("the request body exceeds {max} bytes"),
+    )
+}
+
+pub(crate) fn is_length_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+fn aad(id: &RecordId) -> Vec<u8> {
+    format!("{}/{}", id.namespace, id.key).into_bytes()
+}
+
+async fn gated<S, B, RB>(
+    shared: Arc<Shared>,
+    inner: S,
+    id: RecordId,
+    fp: String,
+    req: Request<B>,
+) -> Result<Response<RB>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    RB: Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let config = &shared.config;
+    let deadline = config
+        .wait_ms
+        .map(|w| tokio::time::Instant::now() + Duration::from_millis(w));
+    let mut pause_ms = 10;
+    loop {
+        let op = Op::Claim {
+            ttl_ms: config.ttl_ms,
+            lease_ms: config.lease_ms,
+            fingerprint: Some(fp.clone()),
+            owner: None,
+        };
+        let record = match shared.store.apply(id.clone(), op).await {
+            Ok(Outcome::Claimed(Claim::New(lease))) => {
+                return execute(&shared, inner, &id, lease.token, req).await
+            }
+            Ok(Outcome::Claimed(Claim::Duplicate { record })) => record,
+            Ok(other) => {
+                tracing::error!(
+                    outcome = other.label(),
+                    "store answered a claim with another outcome"
+                );
+                return Ok(problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "the store gave an unexpected answer",
+                ));
+            }
+            Err(e) => return Ok(gate_error(&e)),
+        };
+        match record.state {
+            State::Completed => return Ok(replay(&shared, &id, record.result.as_ref())),
+            State::InProgress => {
+                let now = tokio::time::Instant::now();
+                match deadline {
+                    Some(d) if now + Duration::from_millis(pause_ms) < d => {
+                        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+                        pause_ms = (pause_ms * 2).min(WAIT_POLL_MS_MAX);
+                    }
+                    _ => {
+                        let mut res: Response<RB> = problem(
+                            StatusCode::CONFLICT,
+                            "request_in_progress",
+                            "a request with this Idempotency-Key is still being processed; retry later",
+                        );
+                        res.headers_mut()
+                            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                        return Ok(res);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn gate_error<RB: From<Bytes>>(e: &GateError) -> Response<RB> {
+    let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+    let detail = match e {
+        GateError::FingerprintMismatch => {
+            "this Idempotency-Key was used with a different request (method, path or body)"
+                .to_owned()
+        }
+        other => other.to_string(),
+    };
+    if status.is_server_error() {
+        tracing::warn!(error = %e, "store could not decide");
+    }
+    problem(status, e.code(), detail)
+}
+
+fn replay<RB: From<Bytes>>(
+    shared: &Shared,
+    id: &RecordId,
+    result: Option<&serde_json::Value>,
+) -> Response<RB> {
+    let stored = result
+        .ok_or_else(|| "the record holds no stored response".to_owned())
+        .and_then(|v| {
+            StoredResponse::from_result(v, shared.config.sealer.as_ref(), &aad(id))
+                .map_err(|e| e.to_string())
+        });
+    match stored {
+        Ok(s) => s.to_response(true),
+        Err(e) => {
+            tracing::error!(error = %e, key = %id.key, "a completed request cannot be replayed");
+            // The request did run: never run it again; say why it cannot be shown.
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "stored_response_unreadable",
+                format!("this request was already processed but its stored response cannot be read: {e}"),
+            )
+        }
+    }
+}
+
+/// Statuses after which the claim is released so that a retry runs again (API.md).
+fn releases(status: StatusCode) -> bool {
+    status.is_server_error()
+        || status == StatusCode::CONFLICT
+        || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+async fn execute<S, B, RB>(
+    shared: &Shared,
+    mut inner: S,
+    id: &RecordId,
+    token: Token,
+    req: Request<B>,
+) -> Result<Response<RB>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    RB: Body<Data = Bytes> + From<Bytes>,
+    RB::Error: Into<BoxError>,
+{
+    let config = &shared.config;
+    let limit = usize::try_from(config.response_bytes_max).unwrap_or(usize::MAX);
+    let work = async {
+        let res = match futures::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+            Ok(()) => inner.call(req).await,
+            Err(e) => Err(e),
+        };
+        let res = match res {
+            Ok(r) => r,
+            Err(e) => return Attempt::Failed(e),
+        };
+        if releases(res.status()) {
+            return Attempt::Release(res);
+        }
+        let (parts, body) = res.into_parts();
+        let bytes = match Limited::new(body, limit).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) if is_length_limit(e.as_ref()) => {
+                tracing::warn!(
+                    bytes_max = config.response_bytes_max,
+                    "upstream response too large to store"
+                );
+                let p: Response<Bytes> = problem(
+                    StatusCode::BAD_GATEWAY,
+                    "response_too_large",
+                    format!(
+                        "the request was processed, but its response exceeds the {} bytes the proxy stores",
+                        config.response_bytes_max
+                    ),
+                );
+                let (pp, pb) = p.into_parts();
+                let stored = StoredResponse::new(pp.status, &pp.headers, pb, config);
+                let first = stored.to_response(false);
+                return Attempt::Done { stored, first };
+            }
+            Err(e) => return Attempt::BodyFailed(e),
+        };
+        let stored = StoredResponse::new(parts.status, &parts.headers, bytes.clone(), config);
+        // The first caller gets every header the upstream sent (Set-Cookie included).
+        let mut first = Response::from_parts(parts, RB::from(bytes.clone()));
+        let h = first.headers_mut();
+        h.remove(header::TRANSFER_ENCODING);
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        Attempt::Done { stored, first }
+    };
+    match with_lease(shared, id, &token, work).await {
+        Attempt::Failed(e) => {
+            release(shared, id, token).await;
+            Err(e)
+        }
+        Attempt::Release(res) => {
+            release(shared, id, token).await;
+            Ok(res)
+        }
+        Attempt::BodyFailed(e) => {
+            release(shared, id, token).await;
+            Ok(problem(
+                StatusCode::BAD_GATEWAY,
+                "bad_gateway",
+                format!("the upstream response broke off: {e}"),
+            ))
+        }
+        Attempt::Done { stored, first } => {
+            let result = stored.to_result(config.sealer.as_ref(), &aad(id));
+            complete(shared, id, token, result).await;
+            Ok(first)
+        }
+    }
+}
+
+/// Drives `work` while renewing the lease every third of its length, so a slow upstream call
+/// is never taken over by a retry.
+async fn with_lease<T>(
+    shared: &Shared,
+    id: &RecordId,
+    token: &Token,
+    work: impl Future<Output = T>,
+) -> T {
+    let lease_ms = shared.config.lease_ms;
+    let period = Duration::from_millis((lease_ms / 3).max(1));
+    let keep_alive = async {
+        loop {
+            tokio::time::sleep(period).await;
+            let op = Op::Extend {
+                token: token.clone(),
+                lease_ms,
+            };
+            // Not fatal here: a lost lease shows when the response is stored.
+            if let Err(e) = shared.store.apply(id.clone(), op).await {
+                tracing::warn!(error = %e, "could not renew the lease of an in-flight request");
+            }
+        }
+    };
+    tokio::pin!(work);
+    tokio::select! {
+        value = &mut work => value,
+        _ = keep_alive => unreachable!("the keep-alive loop never ends"),
+    }
+}
+
+async fn release(shared: &Shared, id: &RecordId, token: Token) {
+    if let Err(e) = shared.store.apply(id.clone(), Op::Release { token }).await {
+        // The lease runs out instead; a retry then runs again.
+        tracing::warn!(error = %e, "could not release a failed request's claim");
+    }
+}
+
+async fn complete(shared: &Shared, id: &RecordId, token: Token, result: serde_json::Value) {
+    for attempt in 1..=COMPLETE_ATTEMPTS_MAX {
+        let op = Op::Complete {
+            token: token.clone(),
+            result: Some(result.clone()),
+            ttl_ms: Some(shared.config.ttl_ms),
+        };
+        match shared.store.apply(id.clone(), op).await {
+            Ok(_) => return,
+            Err(GateError::Store(e)) if attempt < COMPLETE_ATTEMPTS_MAX => {
+                tracing::warn!(error = %e, attempt, "could not store a response; retrying");
+                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            }
+            Err(e) => {
+                // The response still goes to the caller; a retry after the lease runs out may
+                // run the request again. Loud, because this is the one unsafe gap.
+                tracing::error!(error = %e, "a processed request's response was not stored");
+                return;
+            }
+        }
+    }
+}

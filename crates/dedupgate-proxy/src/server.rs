@@ -1,0 +1,193 @@
+//! [`ProxyServer`]: the reverse proxy. An HTTP/1.1 server (keep-alive, chunked bodies, header
+//! read timeout, a connection cap) whose every connection is read through the
+//! [`crate::guard::FramingGuard`], and whose requests go through [`IdempotencyLayer`] to the
+//! [`Upstream`] forwarder.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedupgate_core::Store;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::Limited;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::body::ProxyBody;
+use crate::config::IdempotencyConfig;
+use crate::error::ServeError;
+use crate::forward::{ClientAddr, Upstream, UpstreamConfig};
+use crate::guard::{FramingGuard, AMBIGUOUS_FRAMING};
+use crate::layer::{IdempotencyLayer, IdempotencyService};
+use crate::problem::problem;
+
+/// Everything the proxy server needs.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// Where to forward.
+    pub upstream: UpstreamConfig,
+    /// How to gate.
+    pub idempotency: IdempotencyConfig,
+    /// Open connections served at once; more wait in the listen backlog.
+    pub connections_max: usize,
+    /// Time a client has to send a complete request head.
+    pub header_read_timeout_ms: u64,
+    /// On shutdown, time in-flight requests get to finish (and be stored) before the server stops.
+    pub shutdown_grace_ms: u64,
+}
+
+impl ProxyConfig {
+    /// A proxy on `listen` in front of `upstream` with the defaults.
+    pub fn new(listen: SocketAddr, upstream: UpstreamConfig) -> Self {
+        Self {
+            listen,
+            upstream,
+            idempotency: IdempotencyConfig::default(),
+            connections_max: 10_000,
+            header_read_timeout_ms: 30_000,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+/// A bound, not yet running proxy.
+pub struct ProxyServer {
+    listener: TcpListener,
+    service: IdempotencyService<Upstream>,
+    connections: Arc<Semaphore>,
+    request_bytes_max: u64,
+    header_read_timeout: Duration,
+    shutdown_grace: Duration,
+    upstream: String,
+}
+
+impl std::fmt::Debug for ProxyServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyServer")
+            .field("listen", &self.listener.local_addr().ok())
+            .field("upstream", &self.upstream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProxyServer {
+    /// Binds the listener and builds the forwarder. Fails on bad configuration or a busy port.
+    pub async fn bind(config: ProxyConfig, store: Arc<dyn Store>) -> Result<Self, ServeError> {
+        let upstream = Upstream::new(&config.upstream)?;
+        let request_bytes_max = config.idempotency.request_bytes_max;
+        let layer = IdempotencyLayer::new(store, config.idempotency)?;
+        let listener = TcpListener::bind(config.listen).await?;
+        Ok(Self {
+            listener,
+            service: layer.layer(upstream),
+            connections: Arc::new(Semaphore::new(config.connections_max.max(1))),
+            request_bytes_max,
+            header_read_timeout: Duration::from_millis(config.header_read_timeout_ms.max(1)),
+            shutdown_grace: Duration::from_millis(config.shutdown_grace_ms),
+            upstream: config.upstream.url,
+        })
+    }
+
+    /// The address it listens on (useful after binding port 0).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until `shutdown` resolves, then lets in-flight requests finish within the grace time.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+        let graceful = GracefulShutdown::new();
+        tokio::pin!(shutdown);
+        loop {
+            let permit = tokio::select! {
+                p = self.connections.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+                () = &mut shutdown => break,
+            };
+            let (stream, peer) = tokio::select! {
+                r = self.listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors and the like: pause rather than spin.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => break,
+            };
+            let _ = stream.set_nodelay(true);
+            let service = self.service.clone();
+            let bytes_max = self.request_bytes_max;
+            let svc = hyper::service::service_fn(move |req| {
+                serve_one(service.clone(), peer, bytes_max, req)
+            });
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(self.header_read_timeout)
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(FramingGuard::new(stream)), svc);
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+                drop(permit);
+            });
+        }
+        tracing::info!("proxy shutting down; letting in-flight requests finish");
+        if tokio::time::timeout(self.shutdown_grace, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("shutdown grace ran out with requests still in flight");
+        }
+        Ok(())
+    }
+}
+
+async fn serve_one(
+    mut service: IdempotencyService<Upstream>,
+    peer: SocketAddr,
+    request_bytes_max: u64,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    if req.headers().contains_key(AMBIGUOUS_FRAMING) {
+        let mut res: Response<ProxyBody> = problem(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "Content-Length and Transfer-Encoding together make the request's length ambiguous (request smuggling); refused",
+        );
+        res.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return Ok(res);
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > request_bytes_max) {
+        let mut res: Response<ProxyBody> = problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("the request body exceeds {request_bytes_max} bytes"),
+        );
+        res.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return Ok(res);
+    }
+    let limit = usize::try_from(request_bytes_max).unwrap_or(usize::MAX);
+    let mut req = req.map(|b| ProxyBody::new(Limited::new(b, limit)));
+    req.extensions_mut().insert(ClientAddr(peer));
+    service.call(req).await
+}
