@@ -17,10 +17,22 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
-enum Command {}
+enum Command {
+    /// The gate as an HTTP service (API.md).
+    Serve(commands::serve::ServeArgs),
+}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     commands::init_tracing();
-    match cli.command {}
+    let result = match cli.command {
+        Command::Serve(args) => commands::serve::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("dedupgate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

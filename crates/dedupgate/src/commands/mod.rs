@@ -1,5 +1,7 @@
 //! One module per subcommand.
 
+pub mod serve;
+
 /// Logs go to stderr, filtered by `RUST_LOG` (default: info for dedupgate, warn for the rest).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
