@@ -1,0 +1,3 @@
+//! `dedupgate-torture`: the harness's command line.
+
+fn main() {}

@@ -1,0 +1,29 @@
+//! # dedupgate-torture
+//!
+//! A harness that tries hard to break dedupgate's promise (an acknowledged key is never lost; no
+//! event's effect runs twice inside its window), judged by oracles the gate cannot fool:
+//!
+//! - [`history`]: [`Event`]s (call and return times, what was asked, what was answered, unknown
+//!   outcomes kept as unknown) and the [`Recorder`] that writes them around any store.
+//! - [`lin`]: the per-key linearizability checker; its model is [`dedupgate_core::decide`]
+//!   replayed on a chosen clock, tokens compared by the claim that issued them.
+//!
+//! Every randomized run prints its seed and replays from it.
+
+pub mod history;
+pub mod lin;
+pub mod linrun;
+
+/// The seed of a randomized run: `DEDUPGATE_TORTURE_SEED` when set (to replay a run), else a
+/// fresh one. Printed either way, with what to set to replay it.
+pub fn seed(what: &str) -> u64 {
+    let seed = std::env::var("DEDUPGATE_TORTURE_SEED")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("{what}: seed {seed} (replay with DEDUPGATE_TORTURE_SEED={seed})");
+    seed
+}
+
+pub use history::{wall_ns, Event, Fate, HAnswer, HOp, Recorder};
+pub use lin::{check, check_key, LinConfig, Report, Verdict};
