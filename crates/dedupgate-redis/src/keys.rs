@@ -93,7 +93,10 @@ mod tests {
         assert_eq!(crc16_xmodem(b"123456789"), 0x31C3);
         assert_eq!(key_slot(b"foo"), 12182);
         assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
-        assert_eq!(key_slot(b"foo{}{bar}"), crc16_xmodem(b"foo{}{bar}") % CLUSTER_SLOTS);
+        assert_eq!(
+            key_slot(b"foo{}{bar}"),
+            crc16_xmodem(b"foo{}{bar}") % CLUSTER_SLOTS
+        );
     }
 
     #[test]

@@ -78,9 +78,9 @@ impl RedisOptions {
                 "key_prefix" => {
                     let ok = !value.is_empty()
                         && value.len() <= KEY_PREFIX_BYTES_MAX
-                        && value
-                            .chars()
-                            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-'));
+                        && value.chars().all(|c| {
+                            c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-')
+                        });
                     if !ok {
                         return Err(bad("must be 1..=64 bytes of [A-Za-z0-9._:-]"));
                     }
@@ -131,9 +131,12 @@ pub fn redact(url: &str) -> String {
 
 /// Splits `redis+cluster://[user:pass@]h1:p1,h2:p2[/][?query]` into one `redis://` URL per node.
 pub fn cluster_nodes(url: &str) -> Result<Vec<String>, OpenError> {
-    let rest = url
-        .strip_prefix("redis+cluster://")
-        .ok_or_else(|| OpenError::Url(format!("{}: expected redis+cluster://host:port,…", redact(url))))?;
+    let rest = url.strip_prefix("redis+cluster://").ok_or_else(|| {
+        OpenError::Url(format!(
+            "{}: expected redis+cluster://host:port,…",
+            redact(url)
+        ))
+    })?;
     let (authority, query) = match rest.split_once('?') {
         Some((a, q)) => (a, Some(q)),
         None => (rest, None),
@@ -175,9 +178,10 @@ mod tests {
 
     #[test]
     fn own_options_are_split_off_and_others_kept() {
-        let (o, url) =
-            RedisOptions::from_url("redis://h:1/2?wait_replicas=1&protocol=resp3&wait_timeout_ms=50")
-                .unwrap();
+        let (o, url) = RedisOptions::from_url(
+            "redis://h:1/2?wait_replicas=1&protocol=resp3&wait_timeout_ms=50",
+        )
+        .unwrap();
         assert_eq!(o.wait_replicas, 1);
         assert_eq!(o.wait_timeout_ms, 50);
         assert_eq!(url, "redis://h:1/2?protocol=resp3");
@@ -205,7 +209,10 @@ mod tests {
         let nodes = cluster_nodes("redis+cluster://:pw@a:1,b:2/?protocol=resp3").unwrap();
         assert_eq!(
             nodes,
-            ["redis://:pw@a:1?protocol=resp3", "redis://:pw@b:2?protocol=resp3"]
+            [
+                "redis://:pw@a:1?protocol=resp3",
+                "redis://:pw@b:2?protocol=resp3"
+            ]
         );
         assert!(cluster_nodes("redis+cluster://").is_err());
         assert_eq!(redact("redis://u:secret@h:1/0"), "redis://u:***@h:1/0");

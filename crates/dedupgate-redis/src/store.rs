@@ -155,10 +155,11 @@ impl RedisStore {
             other => (node, other),
         })
         .map(|(node, r)| {
-            r.map(|v| (node.clone(), v)).map_err(|e| OpenError::ConfigUnavailable {
-                url: node,
-                reason: e.to_string(),
-            })
+            r.map(|v| (node.clone(), v))
+                .map_err(|e| OpenError::ConfigUnavailable {
+                    url: node,
+                    reason: e.to_string(),
+                })
         })
         .collect::<Result<_, _>>()?;
         for (node, v) in replies {
@@ -267,10 +268,7 @@ impl RedisStore {
     async fn run_group(&self, group: Vec<Prepared>) -> Vec<(usize, Result<Outcome, GateError>)> {
         let writes = group.iter().any(|p| p.op.writes());
         let chunks: Vec<&[Prepared]> = group.chunks(self.opts.script_ops_max).collect();
-        let calls: Vec<Cmd> = chunks
-            .iter()
-            .map(|chunk| self.eval_cmd(chunk))
-            .collect();
+        let calls: Vec<Cmd> = chunks.iter().map(|chunk| self.eval_cmd(chunk)).collect();
         let answers = self.send(calls, writes).await;
         let mut out = Vec::with_capacity(group.len());
         for (chunk, answer) in chunks.into_iter().zip(answers) {
@@ -395,7 +393,8 @@ fn text(v: &Value) -> Option<String> {
 /// token, which the script keeps only if it creates a claim.
 fn push_op_args(cmd: &mut Cmd, op: &Op) {
     let opt = |s: &Option<String>| s.as_deref().unwrap_or("").to_owned();
-    let json = |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
+    let json =
+        |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
     let args: [String; 6] = match op {
         Op::Claim {
             ttl_ms,
@@ -450,8 +449,22 @@ fn push_op_args(cmd: &mut Cmd, op: &Op) {
             String::new(),
             String::new(),
         ],
-        Op::Get => ["G".into(), String::new(), String::new(), String::new(), String::new(), String::new()],
-        Op::Forget => ["F".into(), String::new(), String::new(), String::new(), String::new(), String::new()],
+        Op::Get => [
+            "G".into(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ],
+        Op::Forget => [
+            "F".into(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ],
     };
     for a in args {
         cmd.arg(a);
@@ -460,11 +473,15 @@ fn push_op_args(cmd: &mut Cmd, op: &Op) {
 
 /// Turns one op's script reply into its outcome.
 fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
-    let corrupt = |what: &str| GateError::Store(StoreError::Corrupt(format!("script reply: {what}")));
+    let corrupt =
+        |what: &str| GateError::Store(StoreError::Corrupt(format!("script reply: {what}")));
     let Value::Array(items) = v else {
         return Err(corrupt("not an array"));
     };
-    let tag = items.first().and_then(text).ok_or_else(|| corrupt("no tag"))?;
+    let tag = items
+        .first()
+        .and_then(text)
+        .ok_or_else(|| corrupt("no tag"))?;
     if tag == "E" {
         return match items.get(1).and_then(text).as_deref() {
             Some("lease_lost") => Err(GateError::LeaseLost),
@@ -475,7 +492,12 @@ fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
     let rec = |items: &[Value]| parse_record(id, &items[1..]).ok_or_else(|| corrupt("bad record"));
     let outcome = match (op, tag.as_str()) {
         (Op::Claim { .. }, "N") => {
-            let s = |i: usize| items.get(i).and_then(text).ok_or_else(|| corrupt("bad lease"));
+            let s = |i: usize| {
+                items
+                    .get(i)
+                    .and_then(text)
+                    .ok_or_else(|| corrupt("bad lease"))
+            };
             let n = |i: usize| s(i)?.parse::<u64>().map_err(|_| corrupt("bad number"));
             Outcome::Claimed(Claim::New(Lease {
                 token: Token::new(s(1)?),
@@ -484,9 +506,15 @@ fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
                 expires_at_ms: n(4)?,
             }))
         }
-        (Op::Claim { .. }, "D") => Outcome::Claimed(Claim::Duplicate { record: rec(&items)? }),
-        (Op::Mark { .. }, "M") => Outcome::Marked(Mark::New { record: rec(&items)? }),
-        (Op::Mark { .. }, "D") => Outcome::Marked(Mark::Duplicate { record: rec(&items)? }),
+        (Op::Claim { .. }, "D") => Outcome::Claimed(Claim::Duplicate {
+            record: rec(&items)?,
+        }),
+        (Op::Mark { .. }, "M") => Outcome::Marked(Mark::New {
+            record: rec(&items)?,
+        }),
+        (Op::Mark { .. }, "D") => Outcome::Marked(Mark::Duplicate {
+            record: rec(&items)?,
+        }),
         (Op::Complete { .. }, "K") => Outcome::Completed(rec(&items)?),
         (Op::Release { .. }, "R") => Outcome::Released,
         (Op::Extend { .. }, "X") => Outcome::Extended {

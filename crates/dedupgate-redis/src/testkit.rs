@@ -171,7 +171,9 @@ pub fn cli(port: u16, args: &[&str]) -> std::io::Result<String> {
         .stdin(Stdio::null())
         .output()?;
     if !out.status.success() {
-        return Err(std::io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()));
+        return Err(std::io::Error::other(
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -227,7 +229,9 @@ impl RedisCluster {
                 break;
             }
             if started.elapsed() > START_TIMEOUT {
-                return Err(std::io::Error::other("cluster never reached cluster_state:ok"));
+                return Err(std::io::Error::other(
+                    "cluster never reached cluster_state:ok",
+                ));
             }
             sleep(Duration::from_millis(50));
         }

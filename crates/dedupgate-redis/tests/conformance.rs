@@ -37,7 +37,11 @@ async fn conformance_and_every_slot_on_a_real_cluster() {
         .await
         .unwrap()
         .expect("start a three-master cluster from redis-server");
-    let store = Arc::new(RedisStore::open(&cluster.url()).await.expect("open cluster"));
+    let store = Arc::new(
+        RedisStore::open(&cluster.url())
+            .await
+            .expect("open cluster"),
+    );
     run_all(&RealTime(store.clone())).await;
 
     // Claim keys until every one of the 16384 slots holds one, in batches, then check each.

@@ -1,0 +1,243 @@
+//! Failure behaviour against servers these tests own: a killed and restarted server, script cache
+//! loss, `WAIT` without enough replicas, and servers that could evict records.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, State, Store, StoreError};
+use dedupgate_redis::testkit::RedisServer;
+use dedupgate_redis::{OpenError, RedisStore};
+
+fn claim() -> Op {
+    Op::Claim {
+        ttl_ms: 600_000,
+        lease_ms: 600_000,
+        fingerprint: None,
+        owner: None,
+    }
+}
+
+fn id(key: &str) -> RecordId {
+    RecordId::new("failures", key).unwrap()
+}
+
+async fn start(args: &'static [&'static str]) -> RedisServer {
+    tokio::task::spawn_blocking(move || RedisServer::start(args))
+        .await
+        .unwrap()
+        .expect("start redis-server")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_mid_load_answers_unavailable_then_recovers_with_every_ack_kept() {
+    let mut server = start(&["--appendonly", "yes", "--appendfsync", "always"]).await;
+    let store = Arc::new(RedisStore::open(&server.url()).await.expect("open"));
+    let down = Arc::new(AtomicBool::new(false));
+
+    // Eight workers claim fresh keys until told to stop; every answer is logged.
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let (store, stop, down) = (store.clone(), stop.clone(), down.clone());
+            tokio::spawn(async move {
+                let mut acked = Vec::new();
+                let mut wrong_while_down = Vec::new();
+                let mut unavailable = 0u64;
+                let mut i = 0u64;
+                while !stop.load(Ordering::Acquire) {
+                    let key = format!("w{w}-{i}");
+                    i += 1;
+                    let was_down = down.load(Ordering::Acquire);
+                    let r = store.apply(id(&key), claim()).await;
+                    let still_down = down.load(Ordering::Acquire);
+                    match r {
+                        Ok(Outcome::Claimed(Claim::New(lease))) => {
+                            if was_down && still_down {
+                                wrong_while_down.push(key.clone());
+                            }
+                            acked.push((key, lease.fence));
+                        }
+                        Err(GateError::Store(StoreError::Unavailable(_))) => unavailable += 1,
+                        other => panic!("claim of fresh key {key}: {other:?}"),
+                    }
+                }
+                (acked, wrong_while_down, unavailable)
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    server.kill();
+    // Set only once the server is dead: a claim sent from now on cannot have reached it.
+    down.store(true, Ordering::Release);
+    // While the server is down, every answer is unavailable (checked by the workers).
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let r = store.apply(id("probe"), claim()).await;
+    assert!(
+        matches!(r, Err(GateError::Store(StoreError::Unavailable(_)))),
+        "while down: {r:?}"
+    );
+    assert!(store.health().await.is_err(), "health while down");
+    down.store(false, Ordering::Release);
+    tokio::task::block_in_place(|| server.restart()).expect("restart on the same port and dir");
+    // Workers may still see a refused connection for a moment; the same store recovers.
+    let started = Instant::now();
+    while store.health().await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "never recovered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Release);
+
+    let mut acked = Vec::new();
+    let mut unavailable = 0;
+    for w in workers {
+        let (a, wrong, u) = w.await.expect("worker");
+        assert!(
+            wrong.is_empty(),
+            "answered new while the server was down: {wrong:?}"
+        );
+        acked.extend(a);
+        unavailable += u;
+    }
+    assert!(unavailable > 0, "the kill was never seen");
+    assert!(acked.len() > 100, "too little load: {} acks", acked.len());
+    eprintln!(
+        "{} claims acknowledged, {unavailable} unavailable",
+        acked.len()
+    );
+
+    // Every acknowledged claim is still decided the same way: held, same fence, a duplicate.
+    let fences: HashMap<String, u64> = acked.into_iter().collect();
+    let keys: Vec<&String> = fences.keys().collect();
+    for chunk in keys.chunks(1_000) {
+        let out = store
+            .apply_batch(chunk.iter().map(|k| (id(k), claim())).collect())
+            .await;
+        for (k, r) in chunk.iter().zip(out) {
+            match r {
+                Ok(Outcome::Claimed(Claim::Duplicate { record })) => {
+                    assert_eq!(record.state, State::InProgress, "{k}");
+                    assert_eq!(record.fence, fences[*k], "{k}: fence changed");
+                }
+                other => panic!("acknowledged claim {k} lost after restart: {other:?}"),
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_script_cache_is_reloaded() {
+    let server = start(&[]).await;
+    let store = RedisStore::open(&server.url()).await.unwrap();
+    assert!(matches!(
+        store.apply(id("a"), claim()).await,
+        Ok(Outcome::Claimed(Claim::New(_)))
+    ));
+    server.cli(&["SCRIPT", "FLUSH"]).unwrap();
+    let out = store
+        .apply_batch(vec![
+            (id("a"), claim()),
+            (id("b"), claim()),
+            (id("b"), claim()),
+        ])
+        .await;
+    assert!(
+        matches!(out[0], Ok(Outcome::Claimed(Claim::Duplicate { .. }))),
+        "{:?}",
+        out[0]
+    );
+    assert!(
+        matches!(out[1], Ok(Outcome::Claimed(Claim::New(_)))),
+        "{:?}",
+        out[1]
+    );
+    assert!(
+        matches!(out[2], Ok(Outcome::Claimed(Claim::Duplicate { .. }))),
+        "{:?}",
+        out[2]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_answers_unavailable_until_a_replica_acks() {
+    let primary = start(&[]).await;
+    let url = format!("{}?wait_replicas=1&wait_timeout_ms=100", primary.url());
+    let store = RedisStore::open(&url).await.unwrap();
+    let r = store.apply(id("w1"), claim()).await;
+    assert!(
+        matches!(&r, Err(GateError::Store(StoreError::Unavailable(m))) if m.contains("replicas")),
+        "no replica: {r:?}"
+    );
+    // A read is not a write: it is not held to WAIT.
+    assert!(matches!(
+        store.apply(id("w1"), Op::Get).await,
+        Ok(Outcome::Found(_))
+    ));
+
+    let port = primary.port().to_string();
+    let replica = tokio::task::spawn_blocking(move || {
+        let args: &'static [&'static str] = Box::leak(
+            vec!["--replicaof", "127.0.0.1", Box::leak(port.into_boxed_str())].into_boxed_slice(),
+        );
+        RedisServer::start(args)
+    })
+    .await
+    .unwrap()
+    .expect("start replica");
+    let started = Instant::now();
+    while !replica
+        .cli(&["INFO", "replication"])
+        .unwrap()
+        .contains("master_link_status:up")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "replica never linked"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = store.apply(id("w2"), claim()).await;
+    assert!(
+        matches!(r, Ok(Outcome::Claimed(Claim::New(_)))),
+        "with a replica: {r:?}"
+    );
+    let on_replica = replica.cli(&["DBSIZE"]).unwrap();
+    assert_ne!(on_replica.trim(), "0", "the write reached the replica");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_that_may_evict_are_refused() {
+    let lru = start(&["--maxmemory-policy", "allkeys-lru"]).await;
+    let err = RedisStore::open(&lru.url()).await.unwrap_err();
+    assert!(
+        matches!(&err, OpenError::EvictionPolicy { policy, .. } if policy == "allkeys-lru"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("noeviction"), "{err}");
+
+    let no_config = start(&["--rename-command", "CONFIG", ""]).await;
+    let err = RedisStore::open(&no_config.url()).await.unwrap_err();
+    assert!(matches!(err, OpenError::ConfigUnavailable { .. }), "{err}");
+    assert!(err.to_string().contains("assume_noeviction=true"), "{err}");
+    let url = format!("{}?assume_noeviction=true", no_config.url());
+    let store = RedisStore::open(&url)
+        .await
+        .expect("explicit override opens");
+    assert!(store.health().await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_server_fails_to_open_clearly() {
+    let port = dedupgate_redis::testkit::free_port();
+    let err = RedisStore::open(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OpenError::Connect { .. }), "{err}");
+    assert!(RedisStore::open("redis://h?wait_replicas=x").await.is_err());
+}
