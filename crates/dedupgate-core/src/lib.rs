@@ -11,6 +11,8 @@
 //! - [`Gate`]: the library face — typed calls and [`Gate::run`], which wraps a handler in the
 //!   retriable or idempotent ordering.
 //! - [`Clock`]: the injectable time source ([`SystemClock`], [`ManualClock`] for tests).
+//! - [`keys`]: [`KeyTemplate`] (`{asset}_{ts|window:5m}`), deterministic ids ([`record_id`],
+//!   equal to Python's `json.dumps(…, sort_keys=True)` recipe) and [`parse_duration_ms`].
 //! - `testkit` (feature): the conformance suite every store must pass.
 //!
 //! ```
@@ -32,6 +34,7 @@ pub mod clock;
 pub mod decide;
 pub mod error;
 pub mod gate;
+pub mod keys;
 pub mod memory;
 pub mod model;
 pub mod op;
@@ -43,6 +46,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use decide::{decide, next_fence, Change, Decision};
 pub use error::{GateError, InvalidInput, StoreError};
 pub use gate::{ClaimOptions, Defaults, Gate, Mode, Run, RunError};
+pub use keys::{parse_duration_ms, record_id, KeyFields, KeyTemplate};
 pub use memory::MemoryStore;
 pub use model::{Entry, EntryState, Key, Namespace, Record, RecordId, State, Token};
 pub use op::{Claim, Lease, Mark, Op, Outcome};
