@@ -42,6 +42,8 @@ pub mod stored;
 /// The boxed error of bodies and services.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+pub use http;
+
 pub use body::ProxyBody;
 pub use config::{parse_duration_ms, ConfigFile, IdempotencyConfig, Requirement, Route};
 pub use error::{ConfigError, ServeError, StoredError};

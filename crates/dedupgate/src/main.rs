@@ -20,6 +20,8 @@ struct Cli {
 enum Command {
     /// The gate as an HTTP service (API.md).
     Serve(commands::serve::ServeArgs),
+    /// The Idempotency-Key reverse proxy in front of an HTTP API (API.md).
+    Proxy(commands::proxy::ProxyArgs),
 }
 
 fn main() -> ExitCode {
@@ -27,6 +29,7 @@ fn main() -> ExitCode {
     commands::init_tracing();
     let result = match cli.command {
         Command::Serve(args) => commands::serve::run(args),
+        Command::Proxy(args) => commands::proxy::run(args),
     };
     match result {
         Ok(code) => code,

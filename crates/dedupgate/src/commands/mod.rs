@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod proxy;
 pub mod serve;
 
 /// Logs go to stderr, filtered by `RUST_LOG` (default: info for dedupgate, warn for the rest).
