@@ -1,1 +1,328 @@
-//! Tiered store (work in progress).
+//! # dedupgate-tiered
+//!
+//! [`TieredStore`]: the two-tier gate (`--store tiered:FAST,DURABLE`) over any two
+//! [`dedupgate_core::Store`]s. The durable store decides everything; the fast store (e.g. Redis
+//! in front of PostgreSQL) only answers repeats of keys the durable store already **completed**,
+//! which cannot change until they expire or an operator forgets them, so those answers are safe
+//! to cache.
+//!
+//! How: when a durable answer shows a completed record, the tier stores a copy of that record in
+//! the fast store as a `Mark` under a cache id (namespace [`CACHE_NAMESPACE`], key the SHA-256
+//! of the real namespace and key) whose result wraps the full durable [`Record`] and whose ttl
+//! ends at the durable expiry. A later `claim`, `mark` or `get` of that key first reads the
+//! cache; a hit is decoded back into the durable record, so the answer equals the durable one.
+//! Everything else — misses, in-progress keys, fingerprint mismatches, complete, release,
+//! extend, forget — goes to the durable store.
+//!
+//! Losing the fast store (a flush, a restart without persistence, a ttl shorter than a
+//! redrive) only turns hits into misses, and a failing fast store is skipped: neither ever
+//! changes an answer. [`TierCounters`] count hits, misses and fast-store failures.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use dedupgate_core::{
+    Claim, Clock, GateError, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError,
+    StoreStats, SystemClock,
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The namespace of cache entries in the fast store.
+pub const CACHE_NAMESPACE: &str = "dedupgate.tiered";
+
+/// A cached record closer than this to its expiry (on the tier's clock) is not trusted: the
+/// fast and durable stores' clocks may differ by up to this much.
+pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 1_000;
+
+/// Figures of the fast tier since the store opened.
+#[derive(Debug, Default)]
+pub struct TierCounters {
+    /// Operations answered from the fast store.
+    pub hits: AtomicU64,
+    /// Cache lookups that went on to the durable store.
+    pub misses: AtomicU64,
+    /// Fast-store calls that failed (and were skipped).
+    pub fast_errors: AtomicU64,
+}
+
+/// The two-tier store. See the crate documentation.
+pub struct TieredStore {
+    fast: Arc<dyn Store>,
+    durable: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    expiry_margin_ms: u64,
+    counters: TierCounters,
+}
+
+impl std::fmt::Debug for TieredStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+/// What the fast store holds as a cache entry's result.
+#[derive(Serialize, Deserialize)]
+struct Cached {
+    dedupgate_tiered_v1: Record,
+}
+
+impl TieredStore {
+    /// A tier over `fast` and `durable`, judging cached expiry on the system clock.
+    pub fn new(fast: Arc<dyn Store>, durable: Arc<dyn Store>) -> Self {
+        Self::with_clock(fast, durable, Arc::new(SystemClock::default()))
+    }
+
+    /// A tier whose cached expiry is judged on `clock` (tests share a manual clock with the
+    /// stores below).
+    pub fn with_clock(
+        fast: Arc<dyn Store>,
+        durable: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
+        Self {
+            fast,
+            durable,
+            clock,
+            expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+            counters: TierCounters::default(),
+        }
+    }
+
+    /// Sets how close to its expiry a cached record stops being trusted (default 1 s).
+    pub fn with_expiry_margin_ms(mut self, margin_ms: u64) -> Self {
+        self.expiry_margin_ms = margin_ms;
+        self
+    }
+
+    /// Hits, misses and fast-store failures so far.
+    pub fn counters(&self) -> &TierCounters {
+        &self.counters
+    }
+
+    /// The fast store's id for `id`: one namespace, the key a hash of the real identity (a
+    /// namespace and key together may not fit one key, and the hash keeps the fast store's
+    /// entries apart from any real namespace).
+    pub fn cache_id(id: &RecordId) -> RecordId {
+        let mut h = Sha256::new();
+        h.update(id.namespace.as_str().as_bytes());
+        h.update([0u8]);
+        h.update(id.key.as_str().as_bytes());
+        RecordId::new(CACHE_NAMESPACE, hex::encode(h.finalize()))
+            .expect("the cache namespace and a hex key are valid")
+    }
+
+    /// The durable record a fast-store answer holds, if it is one this tier may answer with.
+    fn cached_record(&self, id: &RecordId, answer: Result<Outcome, GateError>) -> Option<Record> {
+        let rec = match answer {
+            Ok(Outcome::Found(Some(rec))) => rec,
+            Ok(_) => return None,
+            Err(e) => {
+                self.fast_failed("get", &e);
+                return None;
+            }
+        };
+        let cached: Cached = serde_json::from_value(rec.result?).ok()?;
+        let dur = cached.dedupgate_tiered_v1;
+        let fresh = dur.expires_at_ms > self.clock.now_ms().saturating_add(self.expiry_margin_ms);
+        (dur.namespace == id.namespace
+            && dur.key == id.key
+            && dur.state == State::Completed
+            && fresh)
+            .then_some(dur)
+    }
+
+    fn fast_failed(&self, what: &str, e: &GateError) {
+        self.counters.fast_errors.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(error = %e, "tiered: fast store {what} failed; answering from the durable store");
+    }
+
+    /// The op a fast-store record answers, if it does.
+    fn answer_from_cache(op: &Op, dur: Record) -> Option<Outcome> {
+        let mismatch = |given: &Option<String>| matches!((&dur.fingerprint, given), (Some(a), Some(b)) if a != b);
+        match op {
+            Op::Claim { fingerprint, .. } if !mismatch(fingerprint) => {
+                Some(Outcome::Claimed(Claim::Duplicate { record: dur }))
+            }
+            Op::Mark { fingerprint, .. } if !mismatch(fingerprint) => {
+                Some(Outcome::Marked(Mark::Duplicate { record: dur }))
+            }
+            Op::Get => Some(Outcome::Found(Some(dur))),
+            _ => None,
+        }
+    }
+
+    /// Removes the cache entries of `ids` (best effort).
+    async fn invalidate(&self, ids: &[RecordId]) {
+        if ids.is_empty() {
+            return;
+        }
+        let ops = ids
+            .iter()
+            .map(|id| (Self::cache_id(id), Op::Forget))
+            .collect();
+        for r in self.fast.apply_batch(ops).await {
+            if let Err(e) = r {
+                self.fast_failed("forget", &e);
+            }
+        }
+    }
+
+    async fn decide(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        let n = ops.len();
+        let mut answers: Vec<Option<Result<Outcome, GateError>>> = (0..n).map(|_| None).collect();
+
+        // Ops that may be answered from the cache: valid claims, marks and gets on an id that
+        // no earlier op of this batch touched (a later op must see earlier ones).
+        let mut seen: HashSet<&RecordId> = HashSet::with_capacity(n);
+        let mut lookups: Vec<usize> = Vec::new();
+        let mut forgotten: Vec<RecordId> = Vec::new();
+        for (i, (id, op)) in ops.iter().enumerate() {
+            let first = seen.insert(id);
+            let cacheable = matches!(op, Op::Claim { .. } | Op::Mark { .. } | Op::Get);
+            if first && cacheable && op.validate().is_ok() {
+                lookups.push(i);
+            }
+            if matches!(op, Op::Forget) {
+                forgotten.push(id.clone());
+            }
+        }
+        // Forget clears the cache before and after the durable store forgets.
+        self.invalidate(&forgotten).await;
+
+        if !lookups.is_empty() {
+            let gets = lookups
+                .iter()
+                .map(|&i| (Self::cache_id(&ops[i].0), Op::Get))
+                .collect();
+            let found = self.fast.apply_batch(gets).await;
+            for (&i, answer) in lookups.iter().zip(found) {
+                let hit = self
+                    .cached_record(&ops[i].0, answer)
+                    .and_then(|dur| Self::answer_from_cache(&ops[i].1, dur));
+                match hit {
+                    Some(outcome) => {
+                        self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                        answers[i] = Some(Ok(outcome));
+                    }
+                    None => {
+                        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+
+        // Everything not answered goes to the durable store, in order, in one batch.
+        let mut rest_index = Vec::new();
+        let mut rest = Vec::new();
+        for (i, (id, op)) in ops.into_iter().enumerate() {
+            if answers[i].is_none() {
+                rest_index.push(i);
+                rest.push((id, op));
+            }
+        }
+        let rest_ids: Vec<RecordId> = rest.iter().map(|(id, _)| id.clone()).collect();
+        let decided = if rest.is_empty() {
+            Vec::new()
+        } else {
+            self.durable.apply_batch(rest).await
+        };
+
+        // Cache the completed records the durable store showed (once per id, never for an id
+        // forgotten in this batch).
+        let now_ms = self.clock.now_ms();
+        let mut cached: HashSet<&RecordId> = forgotten.iter().collect();
+        let mut fills = Vec::new();
+        for (id, answer) in rest_ids.iter().zip(&decided) {
+            let rec = match answer {
+                Ok(Outcome::Claimed(Claim::Duplicate { record }))
+                | Ok(Outcome::Marked(Mark::New { record } | Mark::Duplicate { record }))
+                | Ok(Outcome::Completed(record))
+                | Ok(Outcome::Found(Some(record))) => record,
+                _ => continue,
+            };
+            if rec.state != State::Completed || !cached.insert(id) {
+                continue;
+            }
+            let ttl_ms = rec.expires_at_ms.saturating_sub(now_ms);
+            if ttl_ms <= self.expiry_margin_ms || ttl_ms > dedupgate_core::op::DURATION_MS_MAX {
+                continue;
+            }
+            let Ok(result) = serde_json::to_value(Cached {
+                dedupgate_tiered_v1: rec.clone(),
+            }) else {
+                continue;
+            };
+            fills.push((
+                Self::cache_id(id),
+                Op::Mark {
+                    ttl_ms,
+                    fingerprint: None,
+                    result: Some(result),
+                },
+            ));
+        }
+        for (i, answer) in rest_index.into_iter().zip(decided) {
+            answers[i] = Some(answer);
+        }
+        if !fills.is_empty() {
+            for r in self.fast.apply_batch(fills).await {
+                if let Err(e) = r {
+                    self.fast_failed("mark", &e);
+                }
+            }
+        }
+        self.invalidate(&forgotten).await;
+
+        answers
+            .into_iter()
+            .map(|a| {
+                a.unwrap_or_else(|| {
+                    Err(GateError::Store(StoreError::Unavailable(
+                        "the durable store gave no answer".to_owned(),
+                    )))
+                })
+            })
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Store for TieredStore {
+    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+        self.decide(vec![(id, op)]).await.pop().unwrap_or_else(|| {
+            Err(GateError::Store(StoreError::Unavailable(
+                "no answer".to_owned(),
+            )))
+        })
+    }
+
+    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        self.decide(ops).await
+    }
+
+    /// The tier can decide exactly when the durable store can.
+    async fn health(&self) -> Result<(), StoreError> {
+        self.durable.health().await
+    }
+
+    async fn sweep_expired(&self, batch_max: usize) -> Result<u64, StoreError> {
+        let durable = self.durable.sweep_expired(batch_max).await?;
+        let fast = self.fast.sweep_expired(batch_max).await.unwrap_or(0);
+        Ok(durable + fast)
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        self.durable.stats().await
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "tiered: fast {} in front of durable {}",
+            self.fast.describe(),
+            self.durable.describe()
+        )
+    }
+}
