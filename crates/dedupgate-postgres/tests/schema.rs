@@ -1,0 +1,103 @@
+//! Opening the store: the versioned schema, concurrent starts, refusals with clear messages.
+
+mod common;
+
+use dedupgate_postgres::{PgError, PgStore, SCHEMA_VERSION};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_starts_migrate_once_and_newer_schemas_are_refused() {
+    let url = common::url();
+    let schema = common::fresh_schema("schema");
+    let (u, s) = (url.clone(), schema.clone());
+    common::with_schema_dropped(&url, &schema, async move {
+        // Four gates start together on a schema that does not exist yet.
+        let opens = (0..4).map(|_| {
+            let (u, s) = (u.clone(), s.clone());
+            tokio::spawn(async move { common::open(&u, &s, 1).await })
+        });
+        for store in futures::future::join_all(opens).await {
+            store.expect("every concurrent start succeeds");
+        }
+        let client = common::connect(&u).await;
+        let rows = client
+            .query(
+                &format!("SELECT version FROM \"{s}\".dedupgate_schema_version ORDER BY version"),
+                &[],
+            )
+            .await
+            .unwrap();
+        let versions: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+        let expected: Vec<i32> = (1..=SCHEMA_VERSION).collect();
+        assert_eq!(versions, expected, "each migration ran exactly once");
+
+        // A schema written by a newer build is refused, and left untouched.
+        client
+            .execute(
+                &format!("INSERT INTO \"{s}\".dedupgate_schema_version (version) VALUES (999)"),
+                &[],
+            )
+            .await
+            .unwrap();
+        let (config, mut options) = dedupgate_postgres::parse_url(&u).unwrap();
+        options.schema = s.clone();
+        let err = PgStore::connect(config, options).await.unwrap_err();
+        assert!(
+            matches!(err, PgError::SchemaTooNew { found: 999, .. }),
+            "got {err}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("999") && text.contains("newer"), "{text}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_commit_is_refused_unless_accepted() {
+    let url = common::url();
+    let schema = common::fresh_schema("durability");
+    let (u, s) = (url.clone(), schema.clone());
+    common::with_schema_dropped(&url, &schema, async move {
+        let (mut config, mut options) = dedupgate_postgres::parse_url(&u).unwrap();
+        config.options("-c synchronous_commit=off");
+        options.schema = s.clone();
+        let err = PgStore::connect(config.clone(), options.clone())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PgError::UnsafeDurability {
+                    setting: "synchronous_commit",
+                    ..
+                }
+            ),
+            "got {err}"
+        );
+        assert!(
+            err.to_string().contains("dedupgate_allow_async_commit"),
+            "{err}"
+        );
+        options.allow_async_commit = true;
+        PgStore::connect(config, options)
+            .await
+            .expect("accepted with the override");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn bad_urls_get_clear_errors() {
+    for url in [
+        "postgres://127.0.0.1:5432/test?dedupgate_pool_size=0",
+        "postgres://127.0.0.1:5432/test?dedupgate_unknown=1",
+        "postgres://127.0.0.1:5432/test?dedupgate_schema=",
+    ] {
+        let err = PgStore::open(url).await.unwrap_err();
+        assert!(matches!(err, PgError::Options(_)), "{url}: {err}");
+    }
+    // Nothing listens on port 1: unavailable, quickly, not a hang or a panic.
+    let err = PgStore::open("postgres://postgres@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, PgError::Unavailable(_)), "{err}");
+}
