@@ -20,6 +20,9 @@ struct Cli {
 enum Command {
     /// The gate as an HTTP service (API.md).
     Serve(commands::serve::ServeArgs),
+    /// claim|complete|release|extend|mark|get|forget: the API from the shell.
+    #[command(flatten)]
+    Api(commands::api::ApiCommand),
     /// The Idempotency-Key reverse proxy in front of an HTTP API (API.md).
     Proxy(commands::proxy::ProxyArgs),
 }
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
     commands::init_tracing();
     let result = match cli.command {
         Command::Serve(args) => commands::serve::run(args),
+        Command::Api(cmd) => commands::api::run(cmd),
         Command::Proxy(args) => commands::proxy::run(args),
     };
     match result {

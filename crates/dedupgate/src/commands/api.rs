@@ -1,0 +1,391 @@
+//! `dedupgate claim|complete|release|extend|mark|get|forget`: the API from the shell, against a
+//! server (`--server URL`, through dedupgate-client with its safe retries) or a store directly
+//! (`--store STORE`, through `dedupgate_core::Gate`). Both print the same JSON as the HTTP API's
+//! success body on stdout and exit 0 (a duplicate is an answer, not an error); an error prints
+//! its code and detail on stderr and exits 1 (`get` of an absent key included).
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use dedupgate_client::{Client, ClientError, MarkOptions};
+use dedupgate_core::{ClaimOptions, Gate, GateError, Op, Outcome, RecordId, Token};
+use dedupgate_server::parse_duration_ms;
+use serde_json::{json, Value};
+
+use crate::store_spec::{self, StoreSpec};
+
+/// Where the operation goes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Target {
+    /// A running gate, e.g. http://127.0.0.1:7878.
+    #[arg(long, env = "DEDUPGATE_SERVER", conflicts_with = "store")]
+    server: Option<String>,
+    /// A store opened directly (same STORE forms as `serve --store`).
+    #[arg(long)]
+    store: Option<String>,
+    /// Bearer token for --server.
+    #[arg(long, env = "DEDUPGATE_TOKEN", hide_env_values = true)]
+    bearer_token: Option<String>,
+    /// Namespace of the key.
+    #[arg(long, short = 'n')]
+    namespace: String,
+    /// The dedup key.
+    #[arg(long, short = 'k')]
+    key: String,
+}
+
+/// The API subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum ApiCommand {
+    /// Claim a key under a lease (prints new with a token, or duplicate with the record).
+    Claim {
+        #[command(flatten)]
+        target: Target,
+        /// Record retention, e.g. 24h [default: the server's].
+        #[arg(long)]
+        ttl: Option<String>,
+        /// Lease, e.g. 30s [default: the server's].
+        #[arg(long)]
+        lease: Option<String>,
+        /// Payload hash; a different one on an existing key is a mismatch.
+        #[arg(long)]
+        fingerprint: Option<String>,
+        /// Claimer id; the same owner claiming again gets its claim back.
+        #[arg(long)]
+        owner: Option<String>,
+    },
+    /// Complete a claim, storing an optional JSON result.
+    Complete {
+        #[command(flatten)]
+        target: Target,
+        /// The claim's token.
+        #[arg(long)]
+        token: String,
+        /// JSON result replayed to duplicates.
+        #[arg(long)]
+        result: Option<String>,
+        /// New retention from now.
+        #[arg(long)]
+        ttl: Option<String>,
+    },
+    /// Release a claim so the next claim runs again.
+    Release {
+        #[command(flatten)]
+        target: Target,
+        /// The claim's token.
+        #[arg(long)]
+        token: String,
+    },
+    /// Renew a claim's lease.
+    Extend {
+        #[command(flatten)]
+        target: Target,
+        /// The claim's token.
+        #[arg(long)]
+        token: String,
+        /// New lease from now, e.g. 30s.
+        #[arg(long)]
+        lease: String,
+    },
+    /// Mark a key completed before processing (idempotent ordering).
+    Mark {
+        #[command(flatten)]
+        target: Target,
+        /// Record retention [default: the server's].
+        #[arg(long)]
+        ttl: Option<String>,
+        /// Payload hash.
+        #[arg(long)]
+        fingerprint: Option<String>,
+        /// JSON result replayed to duplicates.
+        #[arg(long)]
+        result: Option<String>,
+    },
+    /// Print a key's record (exit 1 when there is none).
+    Get {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Delete a key's record (admin).
+    Forget {
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+fn duration(flag: &str, v: &Option<String>) -> anyhow::Result<Option<u64>> {
+    v.as_deref()
+        .map(|s| parse_duration_ms(s).map_err(|e| anyhow::anyhow!("--{flag}: {e}")))
+        .transpose()
+}
+
+fn json_arg(v: &Option<String>) -> anyhow::Result<Option<Value>> {
+    v.as_deref()
+        .map(|s| serde_json::from_str(s).context("--result must be JSON (quote strings: '\"ok\"')"))
+        .transpose()
+}
+
+/// An operation with its flags parsed, ready for either target.
+struct Call {
+    target: Target,
+    op: ApiOp,
+}
+
+enum ApiOp {
+    Claim(ClaimOptions),
+    Complete {
+        token: Token,
+        result: Option<Value>,
+        ttl_ms: Option<u64>,
+    },
+    Release(Token),
+    Extend {
+        token: Token,
+        lease_ms: u64,
+    },
+    Mark(MarkOptions),
+    Get,
+    Forget,
+}
+
+fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
+    Ok(match cmd {
+        ApiCommand::Claim {
+            target,
+            ttl,
+            lease,
+            fingerprint,
+            owner,
+        } => Call {
+            target,
+            op: ApiOp::Claim(ClaimOptions {
+                ttl_ms: duration("ttl", &ttl)?,
+                lease_ms: duration("lease", &lease)?,
+                fingerprint,
+                owner,
+            }),
+        },
+        ApiCommand::Complete {
+            target,
+            token,
+            result,
+            ttl,
+        } => Call {
+            target,
+            op: ApiOp::Complete {
+                token: Token::new(token),
+                result: json_arg(&result)?,
+                ttl_ms: duration("ttl", &ttl)?,
+            },
+        },
+        ApiCommand::Release { target, token } => Call {
+            target,
+            op: ApiOp::Release(Token::new(token)),
+        },
+        ApiCommand::Extend {
+            target,
+            token,
+            lease,
+        } => Call {
+            target,
+            op: ApiOp::Extend {
+                token: Token::new(token),
+                lease_ms: parse_duration_ms(&lease).map_err(|e| anyhow::anyhow!("--lease: {e}"))?,
+            },
+        },
+        ApiCommand::Mark {
+            target,
+            ttl,
+            fingerprint,
+            result,
+        } => Call {
+            target,
+            op: ApiOp::Mark(MarkOptions {
+                ttl_ms: duration("ttl", &ttl)?,
+                fingerprint,
+                result: json_arg(&result)?,
+            }),
+        },
+        ApiCommand::Get { target } => Call {
+            target,
+            op: ApiOp::Get,
+        },
+        ApiCommand::Forget { target } => Call {
+            target,
+            op: ApiOp::Forget,
+        },
+    })
+}
+
+/// Why an API call printed no answer: the gate's refusal (printed with its code) or a failure.
+enum Failure {
+    Answer { code: String, detail: String },
+    Other(anyhow::Error),
+}
+
+/// Runs one API subcommand.
+pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
+    let call = parse(cmd)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let answer = runtime.block_on(async {
+        match (&call.target.server, &call.target.store) {
+            (Some(url), None) => via_server(url, &call).await,
+            (None, Some(store)) => via_store(store, &call).await,
+            _ => Err(Failure::Other(anyhow::anyhow!(
+                "give --server URL (or DEDUPGATE_SERVER) or --store STORE"
+            ))),
+        }
+    });
+    match answer {
+        Ok(value) => {
+            println!("{value}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(Failure::Answer { code, detail }) => {
+            eprintln!("dedupgate: {code}: {detail}");
+            Ok(ExitCode::FAILURE)
+        }
+        Err(Failure::Other(e)) => Err(e),
+    }
+}
+
+fn from_client(e: ClientError) -> Failure {
+    match e {
+        ClientError::Gate(g) => from_gate(g),
+        ClientError::Rejected(p) => Failure::Answer {
+            code: p.code,
+            detail: p.detail,
+        },
+        other => Failure::Other(anyhow::Error::new(other)),
+    }
+}
+
+fn from_gate(e: GateError) -> Failure {
+    Failure::Answer {
+        code: e.code().to_owned(),
+        detail: e.to_string(),
+    }
+}
+
+fn not_found() -> Failure {
+    Failure::Answer {
+        code: "not_found".into(),
+        detail: "no live record for this key".into(),
+    }
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).expect("core types serialize")
+}
+
+async fn via_server(url: &str, call: &Call) -> Result<Value, Failure> {
+    let mut client = Client::new(url).map_err(from_client)?;
+    if let Some(t) = &call.target.bearer_token {
+        client = client.with_bearer(t);
+    }
+    let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
+    Ok(match &call.op {
+        ApiOp::Claim(opts) => to_json(
+            &client
+                .claim(ns, key, opts.clone())
+                .await
+                .map_err(from_client)?,
+        ),
+        ApiOp::Complete {
+            token,
+            result,
+            ttl_ms,
+        } => {
+            let record = client
+                .complete(ns, key, token, result.clone(), *ttl_ms)
+                .await
+                .map_err(from_client)?;
+            json!({ "record": record })
+        }
+        ApiOp::Release(token) => {
+            client.release(ns, key, token).await.map_err(from_client)?;
+            json!({"released": true})
+        }
+        ApiOp::Extend { token, lease_ms } => {
+            let at = client
+                .extend(ns, key, token, *lease_ms)
+                .await
+                .map_err(from_client)?;
+            json!({ "lease_expires_at_ms": at })
+        }
+        ApiOp::Mark(opts) => to_json(
+            &client
+                .mark(ns, key, opts.clone())
+                .await
+                .map_err(from_client)?,
+        ),
+        ApiOp::Get => match client.get(ns, key).await.map_err(from_client)? {
+            Some(record) => to_json(&record),
+            None => return Err(not_found()),
+        },
+        ApiOp::Forget => json!({"deleted": client.forget(ns, key).await.map_err(from_client)?}),
+    })
+}
+
+async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
+    let spec: StoreSpec = spec.parse().map_err(Failure::Other)?;
+    let store = store_spec::open(&spec).await.map_err(Failure::Other)?;
+    let gate = Gate::from_arc(store);
+    let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
+    Ok(match &call.op {
+        ApiOp::Claim(opts) => to_json(&gate.claim(ns, key, opts.clone()).await.map_err(from_gate)?),
+        ApiOp::Complete {
+            token,
+            result,
+            ttl_ms,
+        } => {
+            // Gate::complete keeps the claim's expiry; a new ttl goes through the store's op.
+            let id = RecordId::new(ns, key).map_err(|e| from_gate(e.into()))?;
+            let op = Op::Complete {
+                token: token.clone(),
+                result: result.clone(),
+                ttl_ms: *ttl_ms,
+            };
+            match gate.store().apply(id, op).await.map_err(from_gate)? {
+                Outcome::Completed(record) => json!({ "record": record }),
+                other => {
+                    return Err(Failure::Other(anyhow::anyhow!(
+                        "store answered complete with {}",
+                        other.label()
+                    )))
+                }
+            }
+        }
+        ApiOp::Release(token) => {
+            gate.release(ns, key, token).await.map_err(from_gate)?;
+            json!({"released": true})
+        }
+        ApiOp::Extend { token, lease_ms } => {
+            let at = gate
+                .extend(ns, key, token, *lease_ms)
+                .await
+                .map_err(from_gate)?;
+            json!({ "lease_expires_at_ms": at })
+        }
+        ApiOp::Mark(opts) => to_json(
+            &gate
+                .mark(
+                    ns,
+                    key,
+                    opts.ttl_ms,
+                    opts.fingerprint.clone(),
+                    opts.result.clone(),
+                )
+                .await
+                .map_err(from_gate)?,
+        ),
+        ApiOp::Get => match gate.get(ns, key).await.map_err(from_gate)? {
+            Some(record) => to_json(&record),
+            None => return Err(not_found()),
+        },
+        ApiOp::Forget => json!({"deleted": gate.forget(ns, key).await.map_err(from_gate)?}),
+    })
+}
