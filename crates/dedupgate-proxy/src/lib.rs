@@ -14,6 +14,7 @@
 //! - [`IdempotencyConfig`] and [`ConfigFile`]: per-route rules (methods, path patterns,
 //!   required/optional), limits and header policy, from code or TOML.
 //! - [`ProxyBody`]: the proxy's body type (streaming or buffered).
+//! - `sample` (feature): a sample API that counts executions, for tests, examples and benchmarks.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,6 +36,8 @@ pub mod headers;
 pub mod key;
 pub mod layer;
 pub mod problem;
+#[cfg(feature = "sample")]
+pub mod sample;
 pub mod seal;
 pub mod server;
 pub mod stored;
