@@ -25,6 +25,9 @@ pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
 /// Meta key of the store's format version.
 pub(crate) const META_FORMAT: &str = "format_version";
 
+/// Longest the writer waits to gather the callers its last commit answered.
+const GATHER_WAIT_MAX: Duration = Duration::from_micros(300);
+
 /// Longest wait between reopen attempts after a failure.
 const REOPEN_BACKOFF_MS_MAX: u64 = 2_000;
 
@@ -111,6 +114,8 @@ impl Writer {
     pub fn run(mut self) {
         let mut pending: Vec<Request> = Vec::new();
         let mut held: Option<Request> = None;
+        let mut last_answered = 0usize;
+        let mut last_commit = Duration::ZERO;
         loop {
             let first = match held.take() {
                 Some(r) => r,
@@ -138,8 +143,13 @@ impl Writer {
                 op_request => pending.push(op_request),
             }
             let mut ops = request_ops(&pending[0]);
-            // Drain without waiting: everything that queued during the last commit shares this one.
-            while ops < self.batch_ops_max {
+            // Gather: take everything queued during the last commit, then, if fewer ops came back
+            // than that commit answered, wait a little for the rest (bounded by a fraction of the
+            // last commit's duration). Without this, closed-loop callers split into two halves
+            // that alternate between commits, and every fsync carries only half of them.
+            let expected_ops = last_answered.min(self.batch_ops_max);
+            let gather_until = Instant::now() + (last_commit / 4).min(GATHER_WAIT_MAX);
+            'gather: while ops < self.batch_ops_max {
                 match self.rx.try_recv() {
                     Ok(r @ (Request::One { .. } | Request::Many { .. })) => {
                         ops += request_ops(&r);
@@ -147,12 +157,20 @@ impl Writer {
                     }
                     Ok(other) => {
                         held = Some(other);
-                        break;
+                        break 'gather;
                     }
-                    Err(_) => break,
+                    Err(mpsc::error::TryRecvError::Empty)
+                        if ops < expected_ops && Instant::now() < gather_until =>
+                    {
+                        std::thread::yield_now();
+                    }
+                    Err(_) => break 'gather,
                 }
             }
+            let started = Instant::now();
             self.commit_batch(&mut pending);
+            last_commit = started.elapsed();
+            last_answered = ops;
             if self.engine.is_none() {
                 self.recover();
             }
