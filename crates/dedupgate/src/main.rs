@@ -23,6 +23,8 @@ enum Command {
     /// claim|complete|release|extend|mark|get|forget: the API from the shell.
     #[command(flatten)]
     Api(commands::api::ApiCommand),
+    /// HTTP load against a running gate: claims/s and p50/p99.
+    Bench(commands::bench::BenchArgs),
     /// The Idempotency-Key reverse proxy in front of an HTTP API (API.md).
     Proxy(commands::proxy::ProxyArgs),
 }
@@ -33,6 +35,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => commands::serve::run(args),
         Command::Api(cmd) => commands::api::run(cmd),
+        Command::Bench(args) => commands::bench::run(args),
         Command::Proxy(args) => commands::proxy::run(args),
     };
     match result {
