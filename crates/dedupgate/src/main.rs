@@ -27,6 +27,14 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// The Idempotency-Key reverse proxy in front of an HTTP API (API.md).
     Proxy(commands::proxy::ProxyArgs),
+    /// Run CMD at most once per key within the ttl (the cron gate).
+    Run(commands::run::RunArgs),
+    /// Drop duplicate records of JSON Lines or CSV, optionally across runs (--ledger).
+    Dedup(commands::dedup::DedupArgs),
+    /// Add deterministic ids (API.md) to JSON Lines or CSV records.
+    Id(commands::id::IdArgs),
+    /// Report duplicates in files or a PostgreSQL table; exit 1 when there are any.
+    Audit(commands::audit::AuditArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +45,10 @@ fn main() -> ExitCode {
         Command::Api(cmd) => commands::api::run(cmd),
         Command::Bench(args) => commands::bench::run(args),
         Command::Proxy(args) => commands::proxy::run(args),
+        Command::Run(args) => commands::run::run(args),
+        Command::Dedup(args) => commands::dedup::run(args),
+        Command::Id(args) => commands::id::run(args),
+        Command::Audit(args) => commands::audit::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,8 +1,13 @@
 //! One module per subcommand.
 
 pub mod api;
+pub mod audit;
+pub mod dedup;
+pub mod id;
+pub mod pipeline;
 pub mod bench;
 pub mod proxy;
+pub mod run;
 pub mod serve;
 
 /// Logs go to stderr, filtered by `RUST_LOG` (default: info for dedupgate, warn for the rest).

@@ -1,0 +1,458 @@
+//! `dedupgate audit`: duplicate monitoring. Counts rows and distinct keys of files (JSON Lines
+//! or CSV) or of a PostgreSQL table or query, lists the most duplicated keys, and exits 1 when
+//! any key occurs more than once. With `--against SOURCE` it reconciles a destination with its
+//! source instead: per key, and per time window with `--window-field ts --window 1h`, it lists
+//! where the destination holds more rows than the source, and exits 1 when anything does.
+//!
+//! Exit codes: 0 no duplicates (or nothing over the source); 1 duplicates found; 2 the audit
+//! could not be done (bad flags, unreadable input, database error).
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use dedupgate_core::keys::{format_rfc3339_ms, parse_duration_ms, parse_timestamp_ms};
+use serde_json::json;
+
+use super::pipeline::input::{Format, Input};
+use super::pipeline::keyspec::{KeyArgs, KeySpec, Scratch};
+use super::pipeline::records::{Keyed, Records};
+use super::pipeline::{now_ms, runtime, Rejects};
+
+/// Rejected records shown as examples in the report.
+const REJECT_SAMPLES_MAX: usize = 5;
+/// Rows fetched from PostgreSQL per round trip (bounded memory).
+const PG_ROWS_PER_FETCH: usize = 10_000;
+
+/// Flags of `dedupgate audit`.
+#[derive(clap::Args, Debug)]
+pub struct AuditArgs {
+    #[command(flatten)]
+    key: KeyArgs,
+    /// Files to audit (the destination, with --against); none or `-` reads stdin.
+    inputs: Vec<PathBuf>,
+    /// Input format [default: by extension, else jsonl].
+    #[arg(long, value_enum)]
+    format: Option<Format>,
+    /// Read rows from PostgreSQL at URL (with --query or --table) instead of files.
+    #[arg(long, value_name = "URL", env = "DEDUPGATE_AUDIT_POSTGRES")]
+    postgres: Option<String>,
+    /// SQL whose rows are audited (each row's columns are its fields).
+    #[arg(
+        long,
+        value_name = "SQL",
+        conflicts_with = "table",
+        requires = "postgres"
+    )]
+    query: Option<String>,
+    /// A table to audit (schema.table).
+    #[arg(long, value_name = "NAME", requires = "postgres")]
+    table: Option<String>,
+    /// The source the destination is reconciled with: files.
+    #[arg(long, value_name = "SOURCE", num_args = 1..)]
+    against: Vec<PathBuf>,
+    /// The source as SQL on --postgres.
+    #[arg(
+        long,
+        value_name = "SQL",
+        requires = "postgres",
+        conflicts_with = "against"
+    )]
+    against_query: Option<String>,
+    /// The source as a table on --postgres.
+    #[arg(long, value_name = "NAME", requires = "postgres", conflicts_with_all = ["against", "against_query"])]
+    against_table: Option<String>,
+    /// Field holding each record's time (RFC 3339 or epoch seconds/ms), for per-window counts.
+    #[arg(long, value_name = "FIELD", requires = "window")]
+    window_field: Option<String>,
+    /// Window length for per-window counts (e.g. 1h).
+    #[arg(long, value_name = "D", requires = "window_field")]
+    window: Option<String>,
+    /// How many duplicated keys (or keys over the source) to list.
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    top: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Also write every rejected record here (JSON Lines).
+    #[arg(long, value_name = "FILE")]
+    rejects: Option<PathBuf>,
+}
+
+/// Counts of one side.
+#[derive(Default)]
+struct Tally {
+    rows: u64,
+    keys: HashMap<String, u64>,
+    windows: BTreeMap<i64, u64>,
+    rejected: u64,
+    samples: Vec<String>,
+}
+
+/// Runs `dedupgate audit`.
+pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    match audit(args) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            eprintln!("dedupgate audit: {e:#}");
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let spec = args.key.spec()?;
+    let window = match (&args.window_field, &args.window) {
+        (Some(f), Some(w)) => Some((f.clone(), parse_duration_ms(w).context("--window")?)),
+        _ => None,
+    };
+    let mut rejects = Rejects::open(args.rejects.as_deref())?;
+    let rt = runtime()?;
+    let mut temps = Vec::new();
+
+    let dest_sql = sql_of(args.query.as_deref(), args.table.as_deref())?;
+    let (dest_inputs, dest_format) = match (&dest_sql, &args.postgres) {
+        (Some(sql), Some(url)) => {
+            if !args.inputs.is_empty() {
+                bail!("give files or --query/--table, not both");
+            }
+            let path = rt.block_on(fetch_pg(url, sql))?;
+            let inputs = vec![Input::File(path.to_path_buf())];
+            temps.push(path);
+            (inputs, Format::Jsonl)
+        }
+        _ => {
+            let inputs = Input::from_args(&args.inputs);
+            let format = Format::resolve(args.format, &inputs)?;
+            (inputs, format)
+        }
+    };
+    let dest = tally(
+        &spec,
+        dest_format,
+        dest_inputs,
+        window.as_ref(),
+        &mut rejects,
+    )?;
+
+    let source_sql = sql_of(args.against_query.as_deref(), args.against_table.as_deref())?;
+    let source = match (&source_sql, &args.postgres) {
+        (Some(sql), Some(url)) => {
+            let path = rt.block_on(fetch_pg(url, sql))?;
+            let inputs = vec![Input::File(path.to_path_buf())];
+            temps.push(path);
+            Some(tally(
+                &spec,
+                Format::Jsonl,
+                inputs,
+                window.as_ref(),
+                &mut rejects,
+            )?)
+        }
+        _ if !args.against.is_empty() => {
+            let inputs = Input::from_args(&args.against);
+            let format = Format::resolve(args.format, &inputs)?;
+            Some(tally(&spec, format, inputs, window.as_ref(), &mut rejects)?)
+        }
+        _ => None,
+    };
+    rejects.finish()?;
+    drop(temps);
+
+    let report = Report::new(&dest, source.as_ref(), args.top);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &report.json(&dest, source.as_ref(), &window))?;
+        writeln!(out)?;
+    } else {
+        report.table(&mut out, &dest, source.as_ref(), &window)?;
+    }
+    out.flush()?;
+    Ok(if report.found_problem() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// The SQL for `--query` or `--table`.
+fn sql_of(query: Option<&str>, table: Option<&str>) -> anyhow::Result<Option<String>> {
+    Ok(match (query, table) {
+        (Some(q), _) => Some(q.trim().trim_end_matches(';').to_owned()),
+        (None, Some(t)) => {
+            if t.is_empty()
+                || !t
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            {
+                bail!("table name {t:?} may hold only letters, digits, _ and . (use --query for anything else)");
+            }
+            Some(format!("SELECT * FROM {t}"))
+        }
+        (None, None) => None,
+    })
+}
+
+/// Streams the rows of `sql` as JSON Lines (PostgreSQL's `row_to_json`) into a temporary file,
+/// so a table of any size is audited in bounded memory by the same path as a file.
+async fn fetch_pg(url: &str, sql: &str) -> anyhow::Result<tempfile::TempPath> {
+    let (mut client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .context("connecting to PostgreSQL")?;
+    let conn = tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let file = tempfile::NamedTempFile::new().context("creating a temporary file")?;
+    let mut w = std::io::BufWriter::new(file);
+    let tx = client.transaction().await?;
+    let wrapped = format!("SELECT row_to_json(q)::text FROM ({sql}) q");
+    let portal = tx
+        .bind(wrapped.as_str(), &[])
+        .await
+        .with_context(|| format!("query {sql:?}"))?;
+    loop {
+        let rows = tx
+            .query_portal(&portal, PG_ROWS_PER_FETCH as i32)
+            .await
+            .with_context(|| format!("query {sql:?}"))?;
+        for row in &rows {
+            let text: &str = row.try_get(0)?;
+            w.write_all(text.as_bytes())?;
+            w.write_all(b"\n")?;
+        }
+        if rows.len() < PG_ROWS_PER_FETCH {
+            break;
+        }
+    }
+    tx.commit().await?;
+    drop(client);
+    let _ = conn.await;
+    let file = w.into_inner().map_err(|e| e.into_error())?;
+    Ok(file.into_temp_path())
+}
+
+fn tally(
+    spec: &KeySpec,
+    format: Format,
+    inputs: Vec<Input>,
+    window: Option<&(String, u64)>,
+    rejects: &mut Rejects,
+) -> anyhow::Result<Tally> {
+    let mut t = Tally::default();
+    let mut records = Records::open(format, inputs);
+    let mut scratch = Scratch::default();
+    let now = now_ms();
+    while let Some(keyed) = records.next(spec, now, &mut scratch)? {
+        let mut reject = |pos: &super::pipeline::input::Position,
+                          reason: &str,
+                          value: serde_json::Value,
+                          t: &mut Tally|
+         -> anyhow::Result<()> {
+            t.rejected += 1;
+            if t.samples.len() < REJECT_SAMPLES_MAX {
+                t.samples.push(format!("{pos}: {reason}"));
+            }
+            if rejects.has_file() {
+                rejects.reject(pos, reason, value)?;
+            }
+            Ok(())
+        };
+        match keyed {
+            Keyed::Rejected(pos, reason, value) => reject(&pos, &reason.0, value, &mut t)?,
+            Keyed::Key(_) => {
+                if let Some((field, window_ms)) = window {
+                    let ts = records
+                        .field_text(field)
+                        .ok_or_else(|| format!("missing window field `{field}`"))
+                        .and_then(|s| {
+                            parse_timestamp_ms(&s)
+                                .map_err(|e| format!("window field `{field}`: {e}"))
+                        });
+                    match ts {
+                        Ok(ms) => {
+                            let w = *window_ms as i64;
+                            *t.windows.entry(ms.div_euclid(w) * w).or_default() += 1;
+                        }
+                        Err(reason) => {
+                            let pos = records.position();
+                            reject(&pos, &reason, serde_json::Value::Null, &mut t)?;
+                            continue;
+                        }
+                    }
+                }
+                t.rows += 1;
+                *t.keys.entry(scratch.text.clone()).or_default() += 1;
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// What the audit found.
+struct Report {
+    duplicated_keys: u64,
+    extra_copies: u64,
+    top: Vec<(String, u64)>,
+    /// True with a source (`--against…`).
+    reconciling: bool,
+    /// Keys whose destination count exceeds the source's: (key, destination, source).
+    keys_over: Vec<(String, u64, u64)>,
+    keys_over_count: u64,
+    keys_missing: u64,
+    /// Windows whose destination count exceeds the source's: (start ms, destination, source).
+    windows_over: Vec<(i64, u64, u64)>,
+}
+
+impl Report {
+    fn new(dest: &Tally, source: Option<&Tally>, top: usize) -> Self {
+        let dups: Vec<(&String, &u64)> = dest.keys.iter().filter(|(_, c)| **c > 1).collect();
+        let duplicated_keys = dups.len() as u64;
+        let extra_copies = dups.iter().map(|(_, c)| **c - 1).sum();
+        let mut top_keys: Vec<(String, u64)> =
+            dups.into_iter().map(|(k, c)| (k.clone(), *c)).collect();
+        top_keys.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        top_keys.truncate(top);
+        let mut report = Self {
+            duplicated_keys,
+            extra_copies,
+            top: top_keys,
+            reconciling: source.is_some(),
+            keys_over: Vec::new(),
+            keys_over_count: 0,
+            keys_missing: 0,
+            windows_over: Vec::new(),
+        };
+        if let Some(src) = source {
+            for (k, d) in &dest.keys {
+                let s = src.keys.get(k).copied().unwrap_or(0);
+                if *d > s {
+                    report.keys_over_count += 1;
+                    report.keys_over.push((k.clone(), *d, s));
+                }
+            }
+            report.keys_missing = src
+                .keys
+                .keys()
+                .filter(|k| !dest.keys.contains_key(*k))
+                .count() as u64;
+            report
+                .keys_over
+                .sort_by(|a, b| (b.1 - b.2).cmp(&(a.1 - a.2)).then_with(|| a.0.cmp(&b.0)));
+            report.keys_over.truncate(top);
+            for (w, d) in &dest.windows {
+                let s = src.windows.get(w).copied().unwrap_or(0);
+                if *d > s {
+                    report.windows_over.push((*w, *d, s));
+                }
+            }
+        }
+        report
+    }
+
+    /// Exit 1 when this is true: any duplicate, or, reconciling, anything over the source.
+    fn found_problem(&self) -> bool {
+        if self.reconciling {
+            self.keys_over_count > 0 || !self.windows_over.is_empty()
+        } else {
+            self.duplicated_keys > 0
+        }
+    }
+
+    fn json(
+        &self,
+        dest: &Tally,
+        source: Option<&Tally>,
+        window: &Option<(String, u64)>,
+    ) -> serde_json::Value {
+        let mut v = json!({
+            "rows": dest.rows,
+            "distinct_keys": dest.keys.len(),
+            "duplicated_keys": self.duplicated_keys,
+            "extra_copies": self.extra_copies,
+            "rejected": dest.rejected,
+            "reject_samples": dest.samples,
+            "top": self.top.iter().map(|(k, c)| json!({"key": k, "count": c})).collect::<Vec<_>>(),
+        });
+        if let Some(src) = source {
+            v["against"] = json!({
+                "source_rows": src.rows,
+                "source_distinct_keys": src.keys.len(),
+                "source_rejected": src.rejected,
+                "keys_over_source": self.keys_over_count,
+                "keys_missing_from_destination": self.keys_missing,
+                "keys_over": self.keys_over.iter().map(|(k, d, s)| json!({"key": k, "destination": d, "source": s})).collect::<Vec<_>>(),
+                "window_field": window.as_ref().map(|w| w.0.clone()),
+                "window_ms": window.as_ref().map(|w| w.1),
+                "windows_over": self.windows_over.iter().map(|(w, d, s)| json!({"window": window_name(*w), "destination": d, "source": s})).collect::<Vec<_>>(),
+            });
+        }
+        v
+    }
+
+    fn table(
+        &self,
+        out: &mut dyn Write,
+        dest: &Tally,
+        source: Option<&Tally>,
+        window: &Option<(String, u64)>,
+    ) -> std::io::Result<()> {
+        let side = if source.is_some() { "destination " } else { "" };
+        writeln!(out, "{side}rows              {:>12}", dest.rows)?;
+        writeln!(out, "{side}distinct keys     {:>12}", dest.keys.len())?;
+        writeln!(out, "{side}duplicated keys   {:>12}", self.duplicated_keys)?;
+        writeln!(out, "{side}extra copies      {:>12}", self.extra_copies)?;
+        writeln!(out, "{side}rejected          {:>12}", dest.rejected)?;
+        for s in &dest.samples {
+            writeln!(out, "  rejected: {s}")?;
+        }
+        if !self.top.is_empty() {
+            writeln!(out, "\ntop duplicated keys:")?;
+            writeln!(out, "{:>10}  key", "count")?;
+            for (k, c) in &self.top {
+                writeln!(out, "{c:>10}  {k}")?;
+            }
+        }
+        if let Some(src) = source {
+            writeln!(out)?;
+            writeln!(out, "source rows              {:>12}", src.rows)?;
+            writeln!(out, "source distinct keys     {:>12}", src.keys.len())?;
+            writeln!(out, "source rejected          {:>12}", src.rejected)?;
+            for s in &src.samples {
+                writeln!(out, "  rejected: {s}")?;
+            }
+            writeln!(out, "keys over source         {:>12}", self.keys_over_count)?;
+            writeln!(out, "keys missing from dest.  {:>12}", self.keys_missing)?;
+            if !self.keys_over.is_empty() {
+                writeln!(
+                    out,
+                    "\nkeys with more rows in the destination than in the source:"
+                )?;
+                writeln!(out, "{:>10}  {:>10}  key", "dest", "source")?;
+                for (k, d, s) in &self.keys_over {
+                    writeln!(out, "{d:>10}  {s:>10}  {k}")?;
+                }
+            }
+            if let Some((field, _)) = window {
+                writeln!(
+                    out,
+                    "\nwindows (by `{field}`) with more rows in the destination than in the source: {}",
+                    self.windows_over.len()
+                )?;
+                if !self.windows_over.is_empty() {
+                    writeln!(out, "{:<24}  {:>10}  {:>10}", "window", "dest", "source")?;
+                    for (w, d, s) in &self.windows_over {
+                        writeln!(out, "{:<24}  {d:>10}  {s:>10}", window_name(*w))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn window_name(start_ms: i64) -> String {
+    format_rfc3339_ms(start_ms, start_ms % 1000 != 0).unwrap_or_else(|| start_ms.to_string())
+}

@@ -1,0 +1,252 @@
+//! Reading records: JSON Lines or CSV, from files or stdin, with file names and line numbers
+//! kept for error messages and rejects.
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+
+/// Read buffer per input: large enough that a read is a few hundred lines.
+pub const READ_BUFFER_BYTES: usize = 1 << 20;
+/// Write buffer of the output.
+pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
+
+/// A record format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// JSON Lines: one JSON object per line.
+    Jsonl,
+    /// CSV with a header row.
+    Csv,
+}
+
+impl Format {
+    /// The format an extension names, if any.
+    pub fn of_path(path: &Path) -> Option<Format> {
+        let ext = path.extension()?.to_str()?.to_ascii_lowercase();
+        match ext.as_str() {
+            "jsonl" | "ndjson" | "json" | "jsonlines" => Some(Format::Jsonl),
+            "csv" => Some(Format::Csv),
+            _ => None,
+        }
+    }
+
+    /// The format to use: `--format`, else the inputs' extensions (which must agree), else
+    /// JSON Lines.
+    pub fn resolve(flag: Option<Format>, inputs: &[Input]) -> anyhow::Result<Format> {
+        if let Some(f) = flag {
+            return Ok(f);
+        }
+        let mut found: Option<(Format, &Path)> = None;
+        for input in inputs {
+            if let Input::File(path) = input {
+                if let Some(f) = Format::of_path(path) {
+                    match found {
+                        Some((g, first)) if g != f => bail!(
+                            "inputs mix formats ({} is {g:?}, {} is {f:?}); give --format",
+                            first.display(),
+                            path.display()
+                        ),
+                        _ => found = Some((f, path)),
+                    }
+                }
+            }
+        }
+        Ok(found.map_or(Format::Jsonl, |(f, _)| f))
+    }
+}
+
+/// One input: a file or stdin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Standard input (`-` or no input given).
+    Stdin,
+    /// A file.
+    File(PathBuf),
+}
+
+impl Input {
+    /// Inputs from the command line; none means stdin.
+    pub fn from_args(paths: &[PathBuf]) -> Vec<Input> {
+        if paths.is_empty() {
+            return vec![Input::Stdin];
+        }
+        paths
+            .iter()
+            .map(|p| {
+                if p.as_os_str() == "-" {
+                    Input::Stdin
+                } else {
+                    Input::File(p.clone())
+                }
+            })
+            .collect()
+    }
+
+    /// The name used in messages.
+    pub fn name(&self) -> String {
+        match self {
+            Input::Stdin => "<stdin>".to_owned(),
+            Input::File(p) => p.display().to_string(),
+        }
+    }
+
+    /// Opens the input for reading.
+    pub fn open(&self) -> anyhow::Result<Box<dyn Read + Send>> {
+        Ok(match self {
+            Input::Stdin => Box::new(io::stdin()),
+            Input::File(p) => Box::new(
+                File::open(p).with_context(|| format!("cannot open input {}", p.display()))?,
+            ),
+        })
+    }
+
+    /// Size in bytes, when known (for the progress bar).
+    pub fn len_bytes(&self) -> Option<u64> {
+        match self {
+            Input::Stdin => None,
+            Input::File(p) => std::fs::metadata(p).ok().map(|m| m.len()),
+        }
+    }
+}
+
+/// Total size of the inputs when every one is a file.
+pub fn total_bytes(inputs: &[Input]) -> Option<u64> {
+    inputs.iter().map(Input::len_bytes).sum()
+}
+
+/// Opens the output: a file (created or truncated) or stdout, buffered.
+pub fn open_output(path: Option<&Path>) -> anyhow::Result<Box<dyn Write>> {
+    Ok(match path {
+        Some(p) if p.as_os_str() != "-" => Box::new(io::BufWriter::with_capacity(
+            WRITE_BUFFER_BYTES,
+            File::create(p).with_context(|| format!("cannot create output {}", p.display()))?,
+        )),
+        _ => Box::new(io::BufWriter::with_capacity(
+            WRITE_BUFFER_BYTES,
+            io::stdout(),
+        )),
+    })
+}
+
+/// Where a line came from.
+#[derive(Clone, Debug)]
+pub struct Position {
+    /// Input name.
+    pub file: String,
+    /// 1-based line number in that input.
+    pub line: u64,
+}
+
+impl std::fmt::Display for Position {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.file, self.line)
+    }
+}
+
+/// Reads the lines of several inputs in order. Lines are handed out as bytes without the
+/// line ending; blank lines are skipped (they hold no record).
+pub struct LineReader {
+    inputs: Vec<Input>,
+    next_input: usize,
+    current: Option<(String, Box<dyn BufRead + Send>)>,
+    line_no: u64,
+    bytes_read: u64,
+    buf: Vec<u8>,
+}
+
+impl LineReader {
+    /// A reader over `inputs`.
+    pub fn new(inputs: Vec<Input>) -> Self {
+        Self {
+            inputs,
+            next_input: 0,
+            current: None,
+            line_no: 0,
+            bytes_read: 0,
+            buf: Vec::with_capacity(4096),
+        }
+    }
+
+    /// Bytes read so far over all inputs.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
+    /// The position of the line last returned.
+    pub fn position(&self) -> Position {
+        Position {
+            file: self
+                .current
+                .as_ref()
+                .map_or_else(String::new, |(name, _)| name.clone()),
+            line: self.line_no,
+        }
+    }
+
+    /// The line last returned by [`LineReader::next_line`], without its line ending.
+    pub fn current_line(&self) -> &[u8] {
+        let mut end = self.buf.len();
+        while end > 0 && matches!(self.buf[end - 1], b'\n' | b'\r') {
+            end -= 1;
+        }
+        &self.buf[..end]
+    }
+
+    /// The next non-blank line, or `None` at the end of the last input.
+    pub fn next_line(&mut self) -> anyhow::Result<Option<&[u8]>> {
+        loop {
+            if self.current.is_none() {
+                let Some(input) = self.inputs.get(self.next_input) else {
+                    return Ok(None);
+                };
+                let reader = BufReader::with_capacity(READ_BUFFER_BYTES, input.open()?);
+                self.current = Some((input.name(), Box::new(reader)));
+                self.next_input += 1;
+                self.line_no = 0;
+            }
+            let (name, reader) = self.current.as_mut().expect("set above");
+            self.buf.clear();
+            let n = reader
+                .read_until(b'\n', &mut self.buf)
+                .with_context(|| format!("reading {name}"))?;
+            if n == 0 {
+                self.current = None;
+                continue;
+            }
+            self.bytes_read += n as u64;
+            self.line_no += 1;
+            let mut end = self.buf.len();
+            while end > 0 && matches!(self.buf[end - 1], b'\n' | b'\r') {
+                end -= 1;
+            }
+            if self.buf[..end].iter().all(|b| matches!(b, b' ' | b'\t')) {
+                continue;
+            }
+            return Ok(Some(&self.buf[..end]));
+        }
+    }
+}
+
+/// Copies stdin to a temporary file so a second pass can read it again (`--keep last`).
+pub fn spool_stdin(inputs: Vec<Input>) -> anyhow::Result<(Vec<Input>, Option<tempfile::TempPath>)> {
+    if !inputs.contains(&Input::Stdin) {
+        return Ok((inputs, None));
+    }
+    if inputs.iter().filter(|i| **i == Input::Stdin).count() > 1 {
+        bail!("stdin (-) may be given only once");
+    }
+    let mut file = tempfile::NamedTempFile::new().context("creating a spool file for stdin")?;
+    io::copy(&mut io::stdin().lock(), &mut file).context("spooling stdin")?;
+    file.flush()?;
+    let path = file.into_temp_path();
+    let inputs = inputs
+        .into_iter()
+        .map(|i| match i {
+            Input::Stdin => Input::File(path.to_path_buf()),
+            other => other,
+        })
+        .collect();
+    Ok((inputs, Some(path)))
+}

@@ -1,0 +1,120 @@
+//! Shared parts of the pipeline subcommands (`dedup`, `id`, `audit`) and of `run`:
+//! [`input`] (JSON Lines and CSV from files or stdin), [`keyspec`] (what makes two records
+//! the same), [`backend`] (the gate in-process or over HTTP), and the rejects file and
+//! progress bar below.
+
+pub mod backend;
+pub mod input;
+pub mod keyspec;
+pub mod records;
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::Path;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::json;
+
+use self::input::Position;
+
+/// Lines between two progress bar updates (an update is cheap, but not free per line).
+pub const PROGRESS_EVERY_LINES: u64 = 16_384;
+
+/// Where rejected records go: `--rejects FILE` (JSON Lines: file, line, reason, record), or
+/// nowhere, in which case the first reject stops the run with its position and reason.
+pub struct Rejects {
+    out: Option<BufWriter<File>>,
+    /// Records rejected so far.
+    pub count: u64,
+}
+
+impl Rejects {
+    /// Opens `--rejects FILE`, if given.
+    pub fn open(path: Option<&Path>) -> anyhow::Result<Self> {
+        let out = match path {
+            Some(p) => Some(BufWriter::new(File::create(p).with_context(|| {
+                format!("cannot create rejects file {}", p.display())
+            })?)),
+            None => None,
+        };
+        Ok(Self { out, count: 0 })
+    }
+
+    /// Records one reject, or fails (stopping the run) when there is no rejects file.
+    pub fn reject(
+        &mut self,
+        pos: &Position,
+        reason: &str,
+        record: serde_json::Value,
+    ) -> anyhow::Result<()> {
+        self.count += 1;
+        match &mut self.out {
+            Some(out) => {
+                let line =
+                    json!({"file": pos.file, "line": pos.line, "reason": reason, "record": record});
+                serde_json::to_writer(&mut *out, &line)?;
+                out.write_all(b"\n")?;
+                Ok(())
+            }
+            None => anyhow::bail!(
+                "{pos}: {reason} (give --rejects FILE to set such records aside and go on)"
+            ),
+        }
+    }
+
+    /// True when a rejects file was given.
+    pub fn has_file(&self) -> bool {
+        self.out.is_some()
+    }
+
+    /// Flushes the rejects file.
+    pub fn finish(&mut self) -> anyhow::Result<()> {
+        if let Some(out) = &mut self.out {
+            out.flush().context("writing the rejects file")?;
+        }
+        Ok(())
+    }
+}
+
+/// The raw line as a JSON value for a rejects file: the text when it is UTF-8, else its bytes
+/// lossily decoded.
+pub fn line_value(line: &[u8]) -> serde_json::Value {
+    serde_json::Value::String(String::from_utf8_lossy(line).into_owned())
+}
+
+/// A progress bar on stderr when it is a terminal (never when piped or `--quiet`).
+pub fn progress(total_bytes: Option<u64>, quiet: bool) -> ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    match total_bytes {
+        Some(total) => ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
+            .with_style(
+                ProgressStyle::with_template(
+                    "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ),
+        None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(
+            ProgressStyle::with_template("{spinner} {bytes} {binary_bytes_per_sec} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        ),
+    }
+}
+
+/// A runtime for the gate calls of a pipeline command (one thread: the work is sequential).
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Unix milliseconds now (for `{now}` in templates and for messages).
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
