@@ -410,8 +410,11 @@ async fn guard(State(app): State<S>, request: Request, next: Next) -> Response {
             }
         }
     };
-    app.metrics.in_flight().inc();
-    let _in_flight = InFlight(&app.metrics);
+    // Scrapes are not counted, so the gauge shows the load, not the act of watching it.
+    let _in_flight = (!monitoring).then(|| {
+        app.metrics.in_flight().inc();
+        InFlight(&app.metrics)
+    });
     let timeout_ms = app.config.limits.request_timeout_ms;
     let response =
         match tokio::time::timeout(Duration::from_millis(timeout_ms), next.run(request)).await {

@@ -97,7 +97,7 @@ impl Metrics {
         let in_flight = Gauge::default();
         registry.register(
             "requests_in_flight",
-            "Requests being answered now",
+            "API requests being answered now (/healthz and /metrics not counted)",
             in_flight.clone(),
         );
         let records_held = Gauge::default();

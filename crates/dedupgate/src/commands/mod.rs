@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod api;
+pub mod bench;
 pub mod audit;
 pub mod dedup;
 pub mod id;
