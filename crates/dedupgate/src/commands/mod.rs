@@ -6,7 +6,6 @@ pub mod audit;
 pub mod dedup;
 pub mod id;
 pub mod pipeline;
-pub mod bench;
 pub mod proxy;
 pub mod run;
 pub mod serve;
