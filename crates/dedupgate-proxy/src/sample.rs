@@ -21,7 +21,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-/// Largest body the sample answers with `bytes`.
+/// Largest body the sample accepts, and answers with `bytes`.
 const SAMPLE_BYTES_MAX: usize = 64 * 1024 * 1024;
 
 /// Execution counts, shared between the running API and the test that reads them.
@@ -64,7 +64,10 @@ struct Shape {
 
 /// The sample API as an axum router over `counts`.
 pub fn router(counts: Arc<Counts>) -> Router {
-    Router::new().fallback(execute).with_state(counts)
+    Router::new()
+        .fallback(execute)
+        .with_state(counts)
+        .layer(axum::extract::DefaultBodyLimit::max(SAMPLE_BYTES_MAX))
 }
 
 async fn execute(
