@@ -1,0 +1,497 @@
+//! End-to-end tests of `dedupgate run` (the cron gate), driving the real binary against a real
+//! store: the embedded store in a temporary directory (override with
+//! `DEDUPGATE_TEST_CLI_STORE=postgres://…` to run them against another store), and a real
+//! `dedupgate serve` for `--server`.
+//!
+//! CMD counts its own runs by appending a line to a file, so "ran exactly once" is read from
+//! the file, not from anything `run` says about itself.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+struct Env {
+    dir: tempfile::TempDir,
+    store: String,
+    namespace: String,
+}
+
+impl Env {
+    fn new(test: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::env::var("DEDUPGATE_TEST_CLI_STORE")
+            .unwrap_or_else(|_| format!("embedded:{}", dir.path().join("data").display()));
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        Self {
+            dir,
+            store,
+            namespace: format!("t-{test}-{}-{nanos}", std::process::id()),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `dedupgate run --store … --namespace … ARGS -- sh -c SCRIPT`.
+    fn run_cmd(&self, args: &[&str], script: &str) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_dedupgate"));
+        c.env("RUST_LOG", "warn")
+            .arg("run")
+            .args(["--store", &self.store, "--namespace", &self.namespace])
+            .args(args)
+            .args(["--", "sh", "-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    fn run(&self, args: &[&str], script: &str) -> Output {
+        self.run_cmd(args, script).output().unwrap()
+    }
+
+    fn spawn(&self, args: &[&str], script: &str) -> Child {
+        self.run_cmd(args, script).spawn().unwrap()
+    }
+
+    fn count_lines(&self, name: &str) -> usize {
+        fs::read_to_string(self.path(name))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap_or(-1)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn append(file: &Path) -> String {
+    format!("echo ran >> '{}'", file.display())
+}
+
+#[test]
+fn runs_once_then_skips_with_the_reason_and_the_chosen_exit_code() {
+    let env = Env::new("once");
+    let script = format!(
+        "{}; echo out-line; echo err-line >&2",
+        append(&env.path("count"))
+    );
+    let first = env.run(&["--key", "nightly"], &script);
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+    assert_eq!(String::from_utf8_lossy(&first.stdout), "out-line\n");
+    assert!(stderr(&first).contains("err-line"));
+    let second = env.run(&["--key", "nightly"], &script);
+    assert_eq!(code(&second), 0);
+    assert!(
+        stderr(&second).contains("already ran") && stderr(&second).contains("exit 0"),
+        "{}",
+        stderr(&second)
+    );
+    let third = env.run(&["--key", "nightly", "--skip-exit-code", "7"], &script);
+    assert_eq!(code(&third), 7);
+    assert_eq!(env.count_lines("count"), 1);
+
+    // The output tail and exit status are the stored result.
+    let get = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args([
+            "get",
+            "--store",
+            &env.store,
+            "--namespace",
+            &env.namespace,
+            "--key",
+            "nightly",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&get.stdout);
+    assert!(get.status.success(), "{text} {}", stderr(&get));
+    assert!(
+        text.contains("out-line") && text.contains("err-line"),
+        "{text}"
+    );
+    assert!(text.contains("\"exit_code\""), "{text}");
+}
+
+#[test]
+fn a_failed_cmd_passes_its_code_and_is_retried_by_the_next_trigger() {
+    let env = Env::new("retry");
+    let fail = format!("{}; exit 3", append(&env.path("count")));
+    assert_eq!(code(&env.run(&["--key", "k"], &fail)), 3);
+    let ok = append(&env.path("count"));
+    let again = env.run(&["--key", "k"], &ok);
+    assert_eq!(code(&again), 0, "{}", stderr(&again));
+    assert_eq!(env.count_lines("count"), 2);
+    assert_eq!(code(&env.run(&["--key", "k"], &ok)), 0);
+    assert_eq!(
+        env.count_lines("count"),
+        2,
+        "completed: not run a third time"
+    );
+}
+
+#[test]
+fn idempotent_mode_never_runs_twice_even_after_a_failure() {
+    let env = Env::new("idem");
+    let fail = format!("{}; exit 4", append(&env.path("count")));
+    assert_eq!(
+        code(&env.run(&["--key", "k", "--mode", "idempotent"], &fail)),
+        4
+    );
+    let again = env.run(&["--key", "k", "--mode", "idempotent"], &fail);
+    assert_eq!(code(&again), 0);
+    assert!(stderr(&again).contains("already ran"), "{}", stderr(&again));
+    assert_eq!(env.count_lines("count"), 1);
+}
+
+#[test]
+fn concurrent_runs_of_one_key_run_cmd_exactly_once() {
+    let env = Env::new("concurrent");
+    for round in 0..3 {
+        let key = format!("overlap-{round}");
+        let script = format!("{}; sleep 0.5", append(&env.path(&key)));
+        let children: Vec<Child> = (0..4)
+            .map(|_| env.spawn(&["--key", &key], &script))
+            .collect();
+        let outputs: Vec<Output> = children
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        assert_eq!(
+            env.count_lines(&key),
+            1,
+            "round {round}: CMD ran exactly once"
+        );
+        for o in &outputs {
+            assert_eq!(code(o), 0, "{}", stderr(o));
+        }
+        let skipped = outputs
+            .iter()
+            .filter(|o| {
+                let e = stderr(o);
+                e.contains("is running now") || e.contains("already ran")
+            })
+            .count();
+        assert_eq!(
+            skipped, 3,
+            "round {round}: the other three said why they skipped"
+        );
+        assert!(
+            outputs.iter().any(|o| stderr(o).contains("held by")),
+            "an overlapping trigger names the holder"
+        );
+    }
+}
+
+#[test]
+fn the_lease_is_kept_alive_while_cmd_runs_past_its_length() {
+    let env = Env::new("keepalive");
+    let script = format!("{}; sleep 2", append(&env.path("count")));
+    let first = env.spawn(&["--key", "long", "--lease", "600ms"], &script);
+    wait_for("the first CMD", Duration::from_secs(10), || {
+        env.count_lines("count") == 1
+    });
+    std::thread::sleep(Duration::from_millis(1200)); // two lease lengths
+    let second = env.run(&["--key", "long", "--lease", "600ms"], &script);
+    assert!(
+        stderr(&second).contains("is running now"),
+        "{}",
+        stderr(&second)
+    );
+    let first = first.wait_with_output().unwrap();
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+    assert_eq!(env.count_lines("count"), 1);
+}
+
+#[test]
+fn a_run_killed_with_sigkill_is_taken_over_after_its_lease() {
+    let env = Env::new("sigkill");
+    let pids = env.path("pids");
+    let script = format!("echo $$ >> '{}'; sleep 5", pids.display());
+    let mut first = env.spawn(&["--key", "k", "--lease", "1s"], &script);
+    wait_for("the first CMD", Duration::from_secs(10), || {
+        env.count_lines("pids") == 1
+    });
+    first.kill().unwrap(); // SIGKILL: no release, no completion
+    first.wait().unwrap();
+    let blocked = env.run(&["--key", "k", "--lease", "1s"], &script);
+    assert!(
+        stderr(&blocked).contains("is running now"),
+        "within the lease the key is still held: {}",
+        stderr(&blocked)
+    );
+    std::thread::sleep(Duration::from_millis(1300));
+    let quick = format!("echo $$ >> '{}'", pids.display());
+    let retried = env.run(&["--key", "k", "--lease", "1s"], &quick);
+    assert_eq!(code(&retried), 0, "{}", stderr(&retried));
+    assert_eq!(
+        env.count_lines("pids"),
+        2,
+        "a later trigger took over and ran CMD"
+    );
+    // The orphaned CMD of the killed run: stop it.
+    for pid in fs::read_to_string(&pids).unwrap().lines() {
+        let _ = Command::new("kill").arg(pid).stderr(Stdio::null()).status();
+    }
+}
+
+#[test]
+fn signals_to_run_reach_cmd_and_a_killed_cmd_releases_the_key() {
+    let env = Env::new("signals");
+    let log = env.path("log");
+    let script = format!(
+        "trap 'echo got-term >> \"{0}\"; exit 42' TERM; echo ready >> '{0}'; while :; do sleep 0.05; done",
+        log.display()
+    );
+    let child = env.spawn(&["--key", "sig"], &script);
+    wait_for("CMD to be ready", Duration::from_secs(10), || {
+        env.count_lines("log") == 1
+    });
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(code(&out), 42, "{}", stderr(&out));
+    assert!(fs::read_to_string(&log).unwrap().contains("got-term"));
+    // CMD failed: the key was released, the next trigger runs.
+    let next = env.run(&["--key", "sig"], &append(&env.path("count")));
+    assert_eq!(code(&next), 0, "{}", stderr(&next));
+    assert_eq!(env.count_lines("count"), 1);
+}
+
+#[test]
+fn wait_runs_after_a_failed_holder_and_skips_after_a_completed_one() {
+    let env = Env::new("wait");
+    let holder = env.spawn(
+        &["--key", "w"],
+        &format!("{}; sleep 0.7; exit 1", append(&env.path("count"))),
+    );
+    wait_for("the holder", Duration::from_secs(10), || {
+        env.count_lines("count") == 1
+    });
+    let waited = env.run(&["--key", "w", "--wait"], &append(&env.path("count")));
+    assert_eq!(code(&waited), 0, "{}", stderr(&waited));
+    assert_eq!(
+        env.count_lines("count"),
+        2,
+        "the waiter ran once the holder failed"
+    );
+    assert_eq!(code(&holder.wait_with_output().unwrap()), 1);
+
+    let holder = env.spawn(
+        &["--key", "w2"],
+        &format!("{}; sleep 0.7", append(&env.path("c2"))),
+    );
+    wait_for("the holder", Duration::from_secs(10), || {
+        env.count_lines("c2") == 1
+    });
+    let waited = env.run(&["--key", "w2", "--wait"], &append(&env.path("c2")));
+    assert_eq!(code(&waited), 0);
+    assert!(
+        stderr(&waited).contains("already ran"),
+        "{}",
+        stderr(&waited)
+    );
+    assert_eq!(env.count_lines("c2"), 1);
+    holder.wait_with_output().unwrap();
+
+    let holder = env.spawn(
+        &["--key", "w3"],
+        &format!("{}; sleep 3", append(&env.path("c3"))),
+    );
+    wait_for("the holder", Duration::from_secs(10), || {
+        env.count_lines("c3") == 1
+    });
+    let gave_up = env.run(
+        &[
+            "--key",
+            "w3",
+            "--wait",
+            "--wait-timeout",
+            "300ms",
+            "--skip-exit-code",
+            "5",
+        ],
+        "true",
+    );
+    assert_eq!(code(&gave_up), 5, "{}", stderr(&gave_up));
+    let mut holder = holder;
+    let _ = holder.kill();
+    let _ = holder.wait();
+}
+
+#[test]
+fn window_keys_run_once_per_window() {
+    let env = Env::new("window");
+    let script = append(&env.path("count"));
+    let first = env.run(&["--key", "backup_{now|window:1d}"], &script);
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+    let second = env.run(&["--key", "backup_{now|window:1d}"], &script);
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let day = dedupgate_core::keys::format_rfc3339_ms(now_ms - now_ms % 86_400_000, false).unwrap();
+    let e = stderr(&second);
+    assert!(
+        e.contains("already ran") && e.contains(&format!("backup_{day}")),
+        "{e}"
+    );
+    // A different window is a different key.
+    let hourly = env.run(&["--key", "backup_{now|window:1h}"], &script);
+    assert_eq!(code(&hourly), 0);
+    assert_eq!(env.count_lines("count"), 2);
+}
+
+#[test]
+fn gate_failures_and_bad_commands_have_their_own_exit_codes() {
+    let env = Env::new("codes");
+    let missing = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args([
+            "run",
+            "--store",
+            &env.store,
+            "--namespace",
+            &env.namespace,
+            "--key",
+            "nf",
+            "--",
+            "/no/such/program",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(code(&missing), 127, "{}", stderr(&missing));
+    let noexec = env.path("noexec.sh");
+    fs::write(&noexec, "#!/bin/sh\n").unwrap();
+    let cannot = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args([
+            "run",
+            "--store",
+            &env.store,
+            "--namespace",
+            &env.namespace,
+            "--key",
+            "ne",
+            "--",
+        ])
+        .arg(&noexec)
+        .output()
+        .unwrap();
+    assert_eq!(code(&cannot), 126, "{}", stderr(&cannot));
+    let bad_store = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args([
+            "run",
+            "--store",
+            "ftp://nowhere",
+            "--key",
+            "k",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(code(&bad_store), 125, "{}", stderr(&bad_store));
+    let event_key = env.run(&["--key", "{user}"], "true");
+    assert_eq!(code(&event_key), 125);
+    assert!(
+        stderr(&event_key).contains("only {now}"),
+        "{}",
+        stderr(&event_key)
+    );
+    let usage = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .args(["run", "--key", "k"])
+        .output()
+        .unwrap();
+    assert_eq!(code(&usage), 2, "no CMD is a usage error");
+}
+
+/// A `dedupgate serve` child on a free port, killed on drop.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve() -> Server {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--store",
+            "memory:",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let server = Server {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    wait_for("the server", Duration::from_secs(20), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    server
+}
+
+#[test]
+fn run_against_a_server() {
+    let env = Env::new("server");
+    let server = serve();
+    let script = append(&env.path("count"));
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+            .env("RUST_LOG", "warn")
+            .args(["run", "--server", &server.url, "--key", "srv"])
+            .args(extra)
+            .args(["--", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let first = run(&[]);
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+    let second = run(&[]);
+    assert!(
+        stderr(&second).contains("already ran"),
+        "{}",
+        stderr(&second)
+    );
+    assert_eq!(env.count_lines("count"), 1);
+}
