@@ -6,13 +6,26 @@
 //! - [`history`]: [`Event`]s (call and return times, what was asked, what was answered, unknown
 //!   outcomes kept as unknown) and the [`Recorder`] that writes them around any store.
 //! - [`lin`]: the per-key linearizability checker; its model is [`dedupgate_core::decide`]
-//!   replayed on a chosen clock, tokens compared by the claim that issued them.
+//!   replayed on a chosen clock, tokens compared by the claim that issued them. [`linrun`]
+//!   records concurrent histories to feed it.
+//! - [`ledger`]: the oracle's evidence outside the gate: the fence-checking [`ledger::Sink`]
+//!   whose effect ledger is fsync'd per effect, and the per-process [`ledger::AnswerLog`].
+//! - [`worker`]: a worker process consuming deliveries in the retriable or idempotent ordering.
+//! - [`runner`]: the orchestrator that starts gate and worker processes and fires faults
+//!   (SIGKILL, SIGSTOP/SIGCONT), counting each, then drains and checks.
+//! - [`oracle`]: the checks I1-I5 of issue 7 over the ledger and the answer logs.
+//! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
 //!
 //! Every randomized run prints its seed and replays from it.
 
+pub mod faces;
 pub mod history;
+pub mod ledger;
 pub mod lin;
 pub mod linrun;
+pub mod oracle;
+pub mod runner;
+pub mod worker;
 
 /// The seed of a randomized run: `DEDUPGATE_TORTURE_SEED` when set (to replay a run), else a
 /// fresh one. Printed either way, with what to set to replay it.

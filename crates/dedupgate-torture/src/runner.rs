@@ -1,0 +1,643 @@
+//! The orchestrator of a torture run: starts a gate process (HTTP face) or lets the workers
+//! open the store themselves (library face), starts worker processes, fires faults and counts
+//! each one it fired, then stops the faults, lets leases run out, drains, reads everything back
+//! and hands it to the oracles ([`crate::oracle`], [`crate::lin`]).
+//!
+//! Faults, each counted in [`FaultCounts`]:
+//! - SIGKILL of a random worker at a random moment (a *crash cycle*: kill, then a new worker
+//!   process with the next batch of deliveries, which redelivers the killed one's batch);
+//! - SIGKILL of the gate process and a restart on the same port and data (HTTP face over a
+//!   durable store only: a memory gate forgets by design);
+//! - SIGSTOP of a lease holder: a worker stops itself right after a claim, before its effect
+//!   (`pause_pct`); the orchestrator sees the stopped state in `/proc` and sends SIGCONT after a
+//!   random 1.5-3x the lease, by which time another worker has usually taken the key over.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dedupgate_core::Store;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::faces::{self, HttpStore};
+use crate::ledger::{read_answer_logs, read_ledger};
+use crate::lin::{self, LinConfig};
+use crate::oracle::{self, OracleReport};
+use crate::worker::{Delivery, DeliveryMode, PauseNote, Worker, WorkerPlan};
+
+/// Which face the workers use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Face {
+    /// The Rust library over the store itself (the store must be shared: Redis, PostgreSQL).
+    Library,
+    /// The HTTP service, run by this harness as its own `gate` process.
+    Http,
+}
+
+/// Shape of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunConfig {
+    /// STORE of the gate (HTTP face) or of the workers (library face).
+    pub store: String,
+    /// Face.
+    pub face: Face,
+    /// Worker processes at a time.
+    pub workers: usize,
+    /// Crash cycles (SIGKILL of a worker or of the gate, then a restart).
+    pub cycles: u64,
+    /// Percent of cycles that kill the gate instead of a worker (HTTP face, durable store).
+    pub kill_gate_pct: u32,
+    /// Percent of held leases after which the holder SIGSTOPs itself.
+    pub pause_pct: u32,
+    /// Lease of every claim.
+    pub lease_ms: u64,
+    /// Unique events per worker process (each is delivered to two processes).
+    pub unique_per_spawn: usize,
+    /// Hot keys shared by every worker.
+    pub hot_keys: usize,
+    /// Hot-key deliveries per worker process.
+    pub hot_per_spawn: usize,
+    /// Gap between two faults, ms (uniform in the range).
+    pub cycle_gap_ms: (u64, u64),
+    /// Where every file of the run goes.
+    pub run_dir: PathBuf,
+    /// The `dedupgate-torture` binary (for the worker and gate processes).
+    pub exe: PathBuf,
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Check the answer logs for linearizability too.
+    pub lin: bool,
+    /// Clock allowance of the linearizability check.
+    pub lin_skew_ms: u64,
+    /// Part of every namespace of the run, so runs on a shared server never meet.
+    pub run_tag: String,
+}
+
+impl RunConfig {
+    /// A CI-sized run: 3 workers, `cycles` crash cycles, lease 300 ms.
+    pub fn ci(
+        store: &str,
+        face: Face,
+        cycles: u64,
+        run_dir: PathBuf,
+        exe: PathBuf,
+        seed: u64,
+    ) -> Self {
+        Self {
+            store: store.to_owned(),
+            face,
+            workers: 3,
+            cycles,
+            kill_gate_pct: 0,
+            pause_pct: 5,
+            lease_ms: 300,
+            unique_per_spawn: 12,
+            hot_keys: 3,
+            hot_per_spawn: 6,
+            cycle_gap_ms: (20, 150),
+            run_dir,
+            exe,
+            seed,
+            lin: true,
+            lin_skew_ms: 1,
+            run_tag: format!(
+                "{:x}.{:x}",
+                seed,
+                (crate::history::wall_ns() / 1_000_000) ^ u64::from(std::process::id())
+            ),
+        }
+    }
+}
+
+/// Faults fired, by kind, and process figures.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FaultCounts {
+    /// Crash cycles completed.
+    pub cycles: u64,
+    /// Workers SIGKILLed.
+    pub worker_sigkills: u64,
+    /// Gate processes SIGKILLed (and restarted).
+    pub gate_sigkills: u64,
+    /// Lease holders seen stopped (SIGSTOP).
+    pub sigstops: u64,
+    /// SIGCONTs sent to them after 1.5-3x the lease.
+    pub sigconts: u64,
+    /// Worker processes started.
+    pub worker_spawns: u64,
+    /// Worker processes that finished their deliveries.
+    pub worker_exits: u64,
+    /// Takeovers of a paused holder's event started while it was stopped.
+    pub takeovers: u64,
+}
+
+/// What a run found.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// The configuration.
+    pub config: RunConfig,
+    /// Faults fired.
+    pub faults: FaultCounts,
+    /// The effect oracle's findings.
+    pub oracle: OracleReport,
+    /// Linearizability: keys, ops, unknown, violations (details), inconclusive keys.
+    pub lin_keys: usize,
+    /// Operations checked for linearizability.
+    pub lin_ops: usize,
+    /// Linearizability violations, described.
+    pub lin_violations: Vec<String>,
+    /// Keys the linearizability search gave up on.
+    pub lin_inconclusive: usize,
+    /// Wall time of the run.
+    pub elapsed_ms: u64,
+}
+
+impl RunReport {
+    /// True when every check passed (inconclusive linearizability keys do not fail a run; they
+    /// are reported).
+    pub fn ok(&self) -> bool {
+        self.oracle.ok() && self.lin_violations.is_empty()
+    }
+
+    /// A short human summary.
+    pub fn summary(&self) -> String {
+        let o = &self.oracle;
+        let f = &self.faults;
+        format!(
+            "{} over {:?}: seed {} | cycles {} (worker SIGKILL {}, gate SIGKILL {}), SIGSTOP {} / SIGCONT {}, spawns {} | events {}, answers {} ({} unknown), effects {} (late writes rejected {}, re-executions {}, effects without completion answer {}), stale completions refused {} | duplicates {}, lost {}, fence violations {}, replay mismatches {} | linearizability: {} keys, {} ops, {} violations, {} inconclusive | {} ms",
+            self.config.store,
+            self.config.face,
+            self.config.seed,
+            f.cycles,
+            f.worker_sigkills,
+            f.gate_sigkills,
+            f.sigstops,
+            f.sigconts,
+            f.worker_spawns,
+            o.events_checked,
+            o.answers_read,
+            o.answers_unknown,
+            o.effects_accepted,
+            o.late_writes_rejected,
+            o.reexecutions,
+            o.effects_without_completion_answer,
+            o.stale_completions_refused,
+            o.duplicates.len(),
+            o.lost.len(),
+            o.fence_violations.len(),
+            o.replay_mismatches.len(),
+            self.lin_keys,
+            self.lin_ops,
+            self.lin_violations.len(),
+            self.lin_inconclusive,
+            self.elapsed_ms
+        )
+    }
+}
+
+/// Why a run could not be carried out (not a finding: findings are in [`RunReport`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A file or process operation failed.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// The store would not open.
+    #[error(transparent)]
+    Open(#[from] faces::OpenError),
+    /// The gate process did not come up.
+    #[error("the gate did not answer at {0} within 20 s")]
+    GateDown(String),
+    /// The configuration cannot work.
+    #[error("bad configuration: {0}")]
+    Config(String),
+}
+
+struct Slot {
+    child: Child,
+    /// The worker's name (for its pause note).
+    name: Option<String>,
+    stopped_until: Option<Instant>,
+    /// Just after a SIGCONT `/proc` may still show the stop; not a new one.
+    quiet_until: Option<Instant>,
+    /// The takeover of the stopped holder's event; SIGCONT waits for it to finish, so the
+    /// holder always wakes up stale.
+    rescue: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+struct Gate {
+    child: Child,
+    listen: String,
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn spawn_gate(cfg: &RunConfig, listen: &str, n: u64) -> std::io::Result<Child> {
+    let log = std::fs::File::create(cfg.run_dir.join(format!("gate-{n}.log")))?;
+    Command::new(&cfg.exe)
+        .args(["gate", "--store", &cfg.store, "--listen", listen])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+}
+
+async fn wait_healthy(url: &str) -> Result<(), RunError> {
+    let store = HttpStore::new(url).map_err(|e| RunError::Config(e.to_string()))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if store.health().await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(RunError::GateDown(url.to_owned()))
+}
+
+fn is_stopped(pid: u32) -> bool {
+    // /proc/PID/stat: "pid (comm) S ..."; comm may hold spaces, so read after the last ')'.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+fn signal(child: &Child, sig: rustix::process::Signal) {
+    if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
+        // The process may have exited already; nothing to do then.
+        let _ = rustix::process::kill_process(pid, sig);
+    }
+}
+
+fn deliveries_for(cfg: &RunConfig, spawn: u64, rng: &mut StdRng) -> Vec<Delivery> {
+    let mut out = Vec::new();
+    let ns = |m: DeliveryMode| match m {
+        DeliveryMode::Retriable => format!("torture.{}.r", cfg.run_tag),
+        DeliveryMode::Idempotent => format!("torture.{}.i", cfg.run_tag),
+    };
+    let mode_of = |j: usize| {
+        if j % 2 == 0 {
+            DeliveryMode::Retriable
+        } else {
+            DeliveryMode::Idempotent
+        }
+    };
+    // This spawn's batch and the previous one's (a redelivery of what may have been killed).
+    for batch in [spawn, spawn.saturating_sub(1)] {
+        for j in 0..cfg.unique_per_spawn {
+            let mode = mode_of(j);
+            out.push(Delivery {
+                mode,
+                namespace: ns(mode),
+                key: format!("u{batch}-{j}"),
+            });
+        }
+    }
+    for _ in 0..cfg.hot_per_spawn {
+        let h = rng.gen_range(0..cfg.hot_keys.max(1));
+        let mode = mode_of(h);
+        out.push(Delivery {
+            mode,
+            namespace: ns(mode),
+            key: format!("hot{h}"),
+        });
+    }
+    out.shuffle(rng);
+    out.dedup();
+    out
+}
+
+fn plan(cfg: &RunConfig, worker: String, seed: u64, deliveries: Vec<Delivery>) -> WorkerPlan {
+    WorkerPlan {
+        worker,
+        seed,
+        lease_ms: cfg.lease_ms,
+        ttl_ms: 3_600_000,
+        pause_pct: cfg.pause_pct,
+        call_timeout_ms: 5_000,
+        effect_gap_ms_max: 5,
+        tries_max: 3,
+        deliveries,
+    }
+}
+
+fn spawn_worker(
+    cfg: &RunConfig,
+    gate_store: &str,
+    spawn: u64,
+    rng: &mut StdRng,
+    all: &mut BTreeSet<Delivery>,
+) -> std::io::Result<Child> {
+    let deliveries = deliveries_for(cfg, spawn, rng);
+    all.extend(deliveries.iter().cloned());
+    let p = plan(cfg, format!("w{spawn}"), rng.gen(), deliveries);
+    let plan_path = cfg.run_dir.join(format!("plan-w{spawn}.json"));
+    std::fs::write(
+        &plan_path,
+        serde_json::to_vec(&p).map_err(std::io::Error::other)?,
+    )?;
+    let log = std::fs::File::create(cfg.run_dir.join(format!("w{spawn}.log")))?;
+    Command::new(&cfg.exe)
+        .arg("worker")
+        .arg("--store")
+        .arg(gate_store)
+        .arg("--dir")
+        .arg(&cfg.run_dir)
+        .arg("--plan")
+        .arg(&plan_path)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+}
+
+/// Runs one torture run to the end and checks it.
+pub async fn run(cfg: RunConfig) -> Result<RunReport, RunError> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&cfg.run_dir)?;
+    let durable = !(cfg.store.starts_with("memory"));
+    if cfg.face == Face::Library
+        && !(cfg.store.starts_with("redis") || cfg.store.starts_with("postgres"))
+    {
+        return Err(RunError::Config(
+            "the library face needs a store several processes can share (redis://, postgres://)"
+                .into(),
+        ));
+    }
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let mut faults = FaultCounts::default();
+    let mut gate_n = 0u64;
+    let mut gate = match cfg.face {
+        Face::Http => {
+            let listen = format!("127.0.0.1:{}", free_port()?);
+            let child = spawn_gate(&cfg, &listen, gate_n)?;
+            wait_healthy(&format!("http://{listen}")).await?;
+            Some(Gate { child, listen })
+        }
+        Face::Library => None,
+    };
+    let worker_store = match &gate {
+        Some(g) => format!("http://{}", g.listen),
+        None => cfg.store.clone(),
+    };
+
+    let store: Arc<dyn Store> = faces::open(&worker_store).await?;
+    let mut ctx = PauseCtx {
+        cfg: &cfg,
+        store: store.clone(),
+    };
+    let mut all = BTreeSet::new();
+    let mut spawn = 0u64;
+    let mut new_slot = |rng: &mut StdRng,
+                        all: &mut BTreeSet<Delivery>,
+                        faults: &mut FaultCounts|
+     -> std::io::Result<Slot> {
+        let child = spawn_worker(&cfg, &worker_store, spawn, rng, all)?;
+        let slot = Slot {
+            child,
+            name: Some(format!("w{spawn}")),
+            stopped_until: None,
+            quiet_until: None,
+            rescue: None,
+        };
+        spawn += 1;
+        faults.worker_spawns += 1;
+        Ok(slot)
+    };
+    let mut slots = Vec::new();
+    for _ in 0..cfg.workers {
+        slots.push(new_slot(&mut rng, &mut all, &mut faults)?);
+    }
+    let gap = |rng: &mut StdRng| {
+        Duration::from_millis(rng.gen_range(cfg.cycle_gap_ms.0..=cfg.cycle_gap_ms.1))
+    };
+    let mut next_fault = Instant::now() + gap(&mut rng);
+    let pause_for = |rng: &mut StdRng| {
+        Duration::from_millis((cfg.lease_ms as f64 * rng.gen_range(1.5..3.0)) as u64)
+    };
+
+    // Faults phase.
+    while faults.cycles < cfg.cycles {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        for slot in slots.iter_mut() {
+            if slot.child.try_wait()?.is_some() {
+                faults.worker_exits += 1;
+                *slot = new_slot(&mut rng, &mut all, &mut faults)?;
+                continue;
+            }
+            watch_pause(slot, &mut faults, &mut rng, &pause_for, &mut ctx);
+        }
+        if Instant::now() < next_fault {
+            continue;
+        }
+        next_fault = Instant::now() + gap(&mut rng);
+        let kill_gate = gate.is_some() && durable && rng.gen_range(0..100) < cfg.kill_gate_pct;
+        if kill_gate {
+            let g = gate.as_mut().expect("checked above");
+            g.child.kill()?;
+            g.child.wait()?;
+            faults.gate_sigkills += 1;
+            gate_n += 1;
+            g.child = spawn_gate(&cfg, &g.listen, gate_n)?;
+            wait_healthy(&worker_store).await?;
+        } else {
+            // A paused holder is left to its SIGCONT: its late write is the point of the pause.
+            let running: Vec<usize> = (0..slots.len())
+                .filter(|i| slots[*i].stopped_until.is_none())
+                .collect();
+            let Some(&i) = running.choose(&mut rng) else {
+                continue;
+            };
+            slots[i].child.kill()?;
+            slots[i].child.wait()?;
+            faults.worker_sigkills += 1;
+            slots[i] = new_slot(&mut rng, &mut all, &mut faults)?;
+        }
+        faults.cycles += 1;
+    }
+
+    // Faults stop: let every worker finish its list (resuming paused ones).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut running = 0;
+        for slot in slots.iter_mut() {
+            if slot.child.try_wait()?.is_none() {
+                running += 1;
+                watch_pause(slot, &mut faults, &mut rng, &pause_for, &mut ctx);
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            for slot in slots.iter_mut() {
+                let _ = slot.child.kill();
+                let _ = slot.child.wait();
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    faults.worker_exits += slots.len() as u64;
+
+    // Leases run out, then the drain processes every retriable event once more, without faults,
+    // and reads every event back.
+    tokio::time::sleep(Duration::from_millis(cfg.lease_ms * 2 + 100)).await;
+    let retriable: Vec<Delivery> = all
+        .iter()
+        .filter(|d| d.mode == DeliveryMode::Retriable)
+        .cloned()
+        .collect();
+    let mut drain_plan = plan(&cfg, "drain".into(), cfg.seed, retriable);
+    drain_plan.pause_pct = 0;
+    drain_plan.effect_gap_ms_max = 0;
+    drain_plan.tries_max = 10;
+    let mut drain = Worker::new(store, &cfg.run_dir, drain_plan)?;
+    drain.run().await?;
+    for d in &all {
+        drain.read(&d.namespace, &d.key).await?;
+    }
+    drop(drain);
+    if let Some(mut g) = gate.take() {
+        g.child.kill()?;
+        g.child.wait()?;
+    }
+
+    // Check.
+    let effects = read_ledger(&cfg.run_dir)?;
+    let events = read_answer_logs(&cfg.run_dir)?;
+    let oracle = oracle::check(&effects, &events, &all);
+    let (lin_keys, lin_ops, lin_violations, lin_inconclusive) = if cfg.lin {
+        let report = lin::check(
+            &events,
+            &LinConfig {
+                skew_ms: cfg.lin_skew_ms,
+                steps_max: 200_000,
+            },
+        );
+        let violations = report
+            .violations()
+            .iter()
+            .map(|k| match &k.verdict {
+                lin::Verdict::Violation { detail } => {
+                    format!("{}/{}: {detail}", k.namespace, k.key)
+                }
+                _ => String::new(),
+            })
+            .collect();
+        (
+            report.keys.len(),
+            report.ops(),
+            violations,
+            report.inconclusive(),
+        )
+    } else {
+        (0, 0, vec![], 0)
+    };
+    Ok(RunReport {
+        config: cfg,
+        faults,
+        oracle,
+        lin_keys,
+        lin_ops,
+        lin_violations,
+        lin_inconclusive,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+    })
+}
+
+/// Starts a takeover of a paused holder's event once its lease has ended: a worker of the
+/// orchestrator's own (`rescueN`, logged like any other) delivers the event again.
+fn takeover(
+    note: PauseNote,
+    store: Arc<dyn Store>,
+    cfg: &RunConfig,
+    n: u64,
+) -> tokio::task::JoinHandle<std::io::Result<()>> {
+    let mut p = plan(cfg, format!("rescue{n}"), n, vec![note.delivery]);
+    p.pause_pct = 0;
+    p.effect_gap_ms_max = 0;
+    let run_dir = cfg.run_dir.clone();
+    let wait_ms = note
+        .lease_expires_at_ms
+        .saturating_sub(crate::history::wall_ns() / 1_000_000)
+        + 20;
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+        let mut w = Worker::new(store, &run_dir, p)?;
+        w.run().await
+    })
+}
+
+struct PauseCtx<'a> {
+    cfg: &'a RunConfig,
+    store: Arc<dyn Store>,
+}
+
+fn watch_pause(
+    slot: &mut Slot,
+    faults: &mut FaultCounts,
+    rng: &mut StdRng,
+    pause_for: &dyn Fn(&mut StdRng) -> Duration,
+    ctx: &mut PauseCtx<'_>,
+) {
+    match slot.stopped_until {
+        None => {
+            if slot.quiet_until.is_some_and(|q| Instant::now() < q) {
+                return;
+            }
+            if is_stopped(slot.child.id()) {
+                faults.sigstops += 1;
+                slot.stopped_until = Some(Instant::now() + pause_for(rng));
+                let note = slot.name.as_ref().and_then(|w| {
+                    let path = ctx.cfg.run_dir.join(format!("paused-{w}.json"));
+                    let note = std::fs::read(&path)
+                        .ok()
+                        .and_then(|b| serde_json::from_slice::<PauseNote>(&b).ok());
+                    let _ = std::fs::remove_file(&path);
+                    note
+                });
+                if let Some(note) = note {
+                    faults.takeovers += 1;
+                    slot.rescue =
+                        Some(takeover(note, ctx.store.clone(), ctx.cfg, faults.takeovers));
+                }
+            }
+        }
+        Some(until)
+            if Instant::now() >= until && slot.rescue.as_ref().is_none_or(|r| r.is_finished()) =>
+        {
+            slot.rescue = None;
+            signal(&slot.child, rustix::process::Signal::CONT);
+            faults.sigconts += 1;
+            slot.stopped_until = None;
+            slot.quiet_until = Some(Instant::now() + Duration::from_millis(50));
+        }
+        Some(_) => {}
+    }
+}
+
+/// The `dedupgate-torture` binary next to the running test or tool (`target/<profile>/`).
+pub fn sibling_exe(name: &str) -> Option<PathBuf> {
+    let me = std::env::current_exe().ok()?;
+    let mut dir: Option<&Path> = me.parent();
+    while let Some(d) = dir {
+        let candidate = d.join(name);
+        if candidate.is_file() {
+            return Some(candidate);
+        }
+        dir = d.parent();
+    }
+    None
+}
