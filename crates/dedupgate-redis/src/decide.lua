@@ -30,7 +30,8 @@
 --   {'F', 1|0}            forgotten or not
 --   {'E', 'lease_lost' | 'fingerprint_mismatch'}
 -- where record... is state, fence, fingerprint, owner, created_at_ms, expires_at_ms,
--- lease_expires_at_ms, completed_at_ms, result_json (false for none).
+-- lease_expires_at_ms, completed_at_ms, result_json (false for none); times and fences are
+-- integer replies.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -46,15 +47,18 @@ local function opt(s)
   return s
 end
 
-local function load(r)
-  local raw = redis.call('GET', r)
-  if not raw then return nil end
+-- Reads the record and the fence keeper in one call.
+local function load(r, fk)
+  local both = redis.call('MGET', r, fk)
+  local raw, kept = both[1], both[2]
+  if kept then kept = tonumber(kept) else kept = false end
+  if not raw then return nil, kept end
   local ok, v = pcall(cmsgpack.unpack, raw)
   if not ok or type(v) ~= 'table' or (v[1] ~= 'i' and v[1] ~= 'c' and v[1] ~= 'r') then
     return redis.error_reply('DGCORRUPT record ' .. r .. ' cannot be read')
   end
   return {s = v[1], f = v[2], t = v[3], p = v[4], o = v[5], c = v[6], e = v[7], l = v[8],
-          d = v[9], r = v[10]}
+          d = v[9], r = v[10]}, kept
 end
 
 local function put(r, fk, e)
@@ -67,19 +71,15 @@ local function copy(e)
   return {s = e.s, f = e.f, t = e.t, p = e.p, o = e.o, c = e.c, e = e.e, l = e.l, d = e.d, r = e.r}
 end
 
+-- Numbers go back as integer replies (exact: every time and fence is below 2^53).
 local function record(tag, e)
   local state = 'in_progress'
   if e.s == 'c' then state = 'completed' end
-  local l, d = false, false
-  if e.l then l = n2s(e.l) end
-  if e.d then d = n2s(e.d) end
-  return {tag, state, n2s(e.f), e.p, e.o, n2s(e.c), n2s(e.e), l, d, e.r}
+  return {tag, state, e.f, e.p, e.o, e.c, e.e, e.l, e.d, e.r}
 end
 
-local function next_fence(cur, fk)
-  local prev = redis.call('GET', fk)
-  local p = false
-  if prev then p = tonumber(prev) end
+local function next_fence(cur, kept)
+  local p = kept
   if cur and (not p or cur.f > p) then p = cur.f end
   local f = now * FENCE_PER_MS
   if p and p + 1 > f then f = p + 1 end
@@ -100,7 +100,7 @@ for i = 0, n - 1 do
   local r, fk = KEYS[2 * i + 1], KEYS[2 * i + 2]
   local a = 2 + 6 * i
   local code = ARGV[a]
-  local cur = load(r)
+  local cur, kept = load(r, fk)
   if cur and cur.err then return cur end
   -- Present: stored and not expired (tombstones included). Live: present and not a tombstone.
   local present = nil
@@ -114,11 +114,11 @@ for i = 0, n - 1 do
     local fp, owner, token = opt(ARGV[a + 3]), opt(ARGV[a + 4]), ARGV[a + 5]
     local lease_exp = now + lease_ms
     local function take()
-      local f = next_fence(cur, fk)
+      local f = next_fence(cur, kept)
       local exp = math.max(now + ttl_ms, lease_exp)
       put(r, fk, {s = 'i', f = f, t = token, p = fp, o = owner, c = now, e = exp, l = lease_exp,
                   d = false, r = false})
-      return {'N', token, n2s(f), n2s(lease_exp), n2s(exp)}
+      return {'N', token, f, lease_exp, exp}
     end
     if not live then
       reply = take()
@@ -129,7 +129,7 @@ for i = 0, n - 1 do
       renewed.l = lease_exp
       renewed.e = math.max(live.e, lease_exp)
       put(r, fk, renewed)
-      reply = {'N', live.t, n2s(live.f), n2s(lease_exp), n2s(renewed.e)}
+      reply = {'N', live.t, live.f, lease_exp, renewed.e}
     elseif live.s == 'i' and lease_passed(live) then
       reply = take()
     else
@@ -139,7 +139,7 @@ for i = 0, n - 1 do
   elseif code == 'M' then
     local ttl_ms, fp, result = tonumber(ARGV[a + 1]), opt(ARGV[a + 2]), opt(ARGV[a + 3])
     local function set()
-      local e = {s = 'c', f = next_fence(cur, fk), t = false, p = fp, o = false, c = now,
+      local e = {s = 'c', f = next_fence(cur, kept), t = false, p = fp, o = false, c = now,
                  e = now + ttl_ms, l = false, d = now, r = result}
       put(r, fk, e)
       return record('M', e)
@@ -200,7 +200,7 @@ for i = 0, n - 1 do
       ext.l = now + lease_ms
       ext.e = math.max(live.e, ext.l)
       put(r, fk, ext)
-      reply = {'X', n2s(ext.l)}
+      reply = {'X', ext.l}
     else
       reply = {'E', 'lease_lost'}
     end

@@ -381,6 +381,14 @@ fn policy_of(v: &Value) -> Option<String> {
     }
 }
 
+/// A time or fence: an integer reply (or, from older scripts, its decimal text).
+fn number(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        other => text(other)?.parse().ok(),
+    }
+}
+
 fn text(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
@@ -498,7 +506,12 @@ fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
                     .and_then(text)
                     .ok_or_else(|| corrupt("bad lease"))
             };
-            let n = |i: usize| s(i)?.parse::<u64>().map_err(|_| corrupt("bad number"));
+            let n = |i: usize| {
+                items
+                    .get(i)
+                    .and_then(number)
+                    .ok_or_else(|| corrupt("bad number"))
+            };
             Outcome::Claimed(Claim::New(Lease {
                 token: Token::new(s(1)?),
                 fence: n(2)?,
@@ -520,8 +533,7 @@ fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
         (Op::Extend { .. }, "X") => Outcome::Extended {
             lease_expires_at_ms: items
                 .get(1)
-                .and_then(text)
-                .and_then(|s| s.parse().ok())
+                .and_then(number)
                 .ok_or_else(|| corrupt("bad lease end"))?,
         },
         (Op::Get, "G") if items.len() == 1 => Outcome::Found(None),
@@ -541,7 +553,7 @@ fn parse_record(id: &RecordId, f: &[Value]) -> Option<Record> {
         Value::Nil => Some(None),
         other => text(other).map(Some),
     };
-    let num = |v: &Value| text(v)?.parse::<u64>().ok();
+    let num = number;
     let opt_num = |v: &Value| match v {
         Value::Nil => Some(None),
         other => num(other).map(Some),

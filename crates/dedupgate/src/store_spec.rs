@@ -105,6 +105,23 @@ pub async fn open(spec: &StoreSpec) -> anyhow::Result<Arc<dyn Store>> {
                 .context("opening the PostgreSQL store")?;
             Ok(Arc::new(store))
         }
+        StoreSpec::Redis(url) | StoreSpec::RedisCluster(url) => {
+            let store = dedupgate_redis::RedisStore::open(url)
+                .await
+                .with_context(|| {
+                    format!("opening the Redis store {}", dedupgate_redis::redact(url))
+                })?;
+            Ok(Arc::new(store))
+        }
+        StoreSpec::Tiered(fast, durable) => {
+            let fast = Box::pin(open(fast))
+                .await
+                .context("opening the fast tier of the tiered store")?;
+            let durable = Box::pin(open(durable))
+                .await
+                .context("opening the durable tier of the tiered store")?;
+            Ok(Arc::new(dedupgate_tiered::TieredStore::new(fast, durable)))
+        }
         other => bail!("store {other:?} is not available in this build"),
     }
 }
