@@ -8,6 +8,7 @@ mod common;
 use dedupgate_core::{
     Claim, GateError, Mark, MemoryStore, Op, Outcome, Record, RecordId, Store, Token,
 };
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
@@ -180,7 +181,7 @@ async fn postgres_answers_like_the_reference_model() {
                 1
             };
             let issued = names[0].tokens.len();
-            let steps: Vec<(String, Step)> = (0..n)
+            let mut steps: Vec<(String, Step)> = (0..n)
                 .map(|_| {
                     (
                         keys[rng.gen_range(0..keys.len())].to_owned(),
@@ -188,6 +189,21 @@ async fn postgres_answers_like_the_reference_model() {
                     )
                 })
                 .collect();
+            if n > 1 && rng.gen_bool(0.4) {
+                // Claims only, of distinct keys: the store's set-based batch path.
+                let mut distinct = keys.to_vec();
+                distinct.shuffle(&mut rng);
+                distinct.truncate(n.min(keys.len()));
+                steps = distinct
+                    .into_iter()
+                    .map(|k| {
+                        let fp = [None, Some("fp-a"), Some("fp-b")][rng.gen_range(0..3)];
+                        let owner = [None, Some("o1"), Some("o2")][rng.gen_range(0..3)];
+                        (k.to_owned(), Step::Claim(fp, owner))
+                    })
+                    .collect();
+            }
+            let n = steps.len();
             let mut got: [Vec<String>; 2] = [Vec::new(), Vec::new()];
             for (s, store) in stores.iter().enumerate() {
                 let ops: Vec<(RecordId, Op)> = steps

@@ -281,8 +281,89 @@ BEGIN
 END
 $$;
 
+-- Many claims of distinct keys at one instant, set-based: one INSERT ... SELECT ... ON CONFLICT
+-- DO UPDATE ... WHERE with exactly the per-row logic of dedupgate_claim (the proposed values are
+-- EXCLUDED.*), rows locked in (namespace, key) order so concurrent batches cannot deadlock. As
+-- the keys are distinct, no op can see another's effect, so this equals the ops one by one at a
+-- single instant. The entries it could not take are locked by it and read by the next statement.
+CREATE FUNCTION {s}.dedupgate_claim_answer(t {s}.dedupgate_records, r {s}.dedupgate_records,
+                                           p_fp bytea)
+RETURNS {s}.dedupgate_answer
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF t.namespace IS NOT NULL THEN
+        RETURN {s}.dedupgate_answer_of(1::smallint, t, true);
+    END IF;
+    IF r.namespace IS NULL THEN
+        RAISE EXCEPTION 'dedupgate: a claim conflicted with an entry it cannot read';
+    END IF;
+    IF r.fingerprint IS NOT NULL AND p_fp IS NOT NULL AND r.fingerprint <> p_fp THEN
+        RETURN {s}.dedupgate_bare(3::smallint);
+    END IF;
+    RETURN {s}.dedupgate_answer_of(2::smallint, r, false);
+END
+$$;
+
+CREATE FUNCTION {s}.dedupgate_claim_distinct(p_ns bytea[], p_key bytea[], p_ttl_ms bigint[],
+                                             p_lease_ms bigint[], p_fp bytea[], p_owner bytea[],
+                                             p_token bytea[])
+RETURNS SETOF {s}.dedupgate_answer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now   bigint := {s}.dedupgate_now_ms();
+    v_taken {s}.dedupgate_records[];
+BEGIN
+    WITH taken AS (
+        INSERT INTO {s}.dedupgate_records AS e
+            (namespace, key, state, fence, token, fingerprint, owner, created_at_ms, expires_at_ms,
+             lease_expires_at_ms, completed_at_ms, result)
+        SELECT u.ns, u.key, 0, v_now * 1000, u.token, u.fp, u.owner, v_now,
+               greatest(v_now + u.ttl_ms, v_now + u.lease_ms), v_now + u.lease_ms, NULL, NULL
+        FROM unnest(p_ns, p_key, p_ttl_ms, p_lease_ms, p_fp, p_owner, p_token)
+             AS u(ns, key, ttl_ms, lease_ms, fp, owner, token)
+        ORDER BY u.ns, u.key
+        ON CONFLICT (namespace, key) DO UPDATE SET
+            fence = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = EXCLUDED.owner
+                         THEN e.fence ELSE greatest(e.fence + 1, v_now * 1000) END,
+            token = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = EXCLUDED.owner
+                         THEN e.token ELSE EXCLUDED.token END,
+            fingerprint = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = EXCLUDED.owner
+                         THEN e.fingerprint ELSE EXCLUDED.fingerprint END,
+            owner = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = EXCLUDED.owner
+                         THEN e.owner ELSE EXCLUDED.owner END,
+            created_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = EXCLUDED.owner
+                         THEN e.created_at_ms ELSE v_now END,
+            expires_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = EXCLUDED.owner
+                         THEN greatest(e.expires_at_ms, EXCLUDED.lease_expires_at_ms)
+                         ELSE EXCLUDED.expires_at_ms END,
+            state = 0,
+            lease_expires_at_ms = EXCLUDED.lease_expires_at_ms,
+            completed_at_ms = NULL,
+            result = NULL
+        WHERE NOT (e.expires_at_ms > v_now AND e.state <> 2)
+           OR (NOT (e.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
+                    AND e.fingerprint <> EXCLUDED.fingerprint)
+               AND e.state = 0
+               AND (coalesce(e.owner = EXCLUDED.owner, false)
+                    OR coalesce(e.lease_expires_at_ms <= v_now, false)))
+        RETURNING e.*
+    )
+    SELECT array_agg(ROW(taken.*)::{s}.dedupgate_records) INTO v_taken FROM taken;
+
+    RETURN QUERY
+    SELECT a.*
+    FROM unnest(p_ns, p_key, p_fp) WITH ORDINALITY AS u(ns, key, fp, i)
+    LEFT JOIN unnest(v_taken) AS t ON t.namespace = u.ns AND t.key = u.key
+    LEFT JOIN {s}.dedupgate_records AS r
+           ON t.namespace IS NULL AND r.namespace = u.ns AND r.key = u.key
+    CROSS JOIN LATERAL {s}.dedupgate_claim_answer(t, r, u.fp) AS a
+    ORDER BY u.i;
+END
+$$;
+
 -- A batch: one call, one transaction, one commit. Ops run in array order, each through the same
--- function as a single op, so a later op sees an earlier one. p_kind: 1 claim, 2 mark,
+-- function as a single op, so a later op sees an earlier one; a batch of claims only, all of
+-- distinct keys, goes set-based through dedupgate_claim_distinct. p_kind: 1 claim, 2 mark,
 -- 3 complete, 4 release, 5 extend, 6 get, 7 forget. Unused fields of an op are NULL.
 CREATE FUNCTION {s}.dedupgate_apply_batch(p_kind smallint[], p_ns bytea[], p_key bytea[],
                                           p_ttl_ms bigint[], p_lease_ms bigint[], p_fp bytea[],
@@ -292,6 +373,13 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     n integer := coalesce(array_length(p_kind, 1), 0);
 BEGIN
+    IF n > 1 AND p_kind <@ ARRAY[1]::smallint[]
+       AND (SELECT count(*) FROM (SELECT DISTINCT ns, key FROM unnest(p_ns, p_key) AS u(ns, key)) d) = n
+    THEN
+        RETURN QUERY SELECT * FROM {s}.dedupgate_claim_distinct(p_ns, p_key, p_ttl_ms, p_lease_ms,
+                                                                p_fp, p_owner, p_token);
+        RETURN;
+    END IF;
     FOR i IN 1 .. n LOOP
         RETURN NEXT CASE p_kind[i]
             WHEN 1 THEN {s}.dedupgate_claim(p_ns[i], p_key[i], p_ttl_ms[i], p_lease_ms[i], p_fp[i],
