@@ -1,0 +1,414 @@
+//! The service around the API, black-box over real HTTP: concurrency, auth, limits and
+//! backpressure, configuration precedence, refusing to serve remote without auth, and the CLI's
+//! API subcommands (with the client's retries).
+
+mod http_support;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use http_support::{
+    eventually, read_response, request, serve, serve_env, try_serve, Server, TempDir,
+};
+use serde_json::{json, Value};
+
+const KEYS: usize = 40;
+const CLIENTS: usize = 64;
+
+#[test]
+fn sixty_four_clients_on_overlapping_keys_get_one_new_per_key() {
+    let s = serve(&["--store", "memory:"]);
+    let seed: u64 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    println!("concurrency seed={seed}");
+    let addr = s.addr;
+    let threads: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            std::thread::spawn(move || {
+                // Each client walks the keys in its own order; odd clients use the batch route.
+                let mut order: Vec<usize> = (0..KEYS).collect();
+                let mut x = seed ^ (c as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                for i in (1..order.len()).rev() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    order.swap(i, (x % (i as u64 + 1)) as usize);
+                }
+                let owner = format!("client-{c}");
+                let mut outcomes = Vec::new();
+                if c % 2 == 1 {
+                    let ops: Vec<Value> = order
+                        .iter()
+                        .map(|k| json!({"op": "claim", "namespace": "race", "key": format!("k{k}"), "owner": owner}))
+                        .collect();
+                    let r = request(addr, "POST", "/v1/batch", &[], json!({ "ops": ops }).to_string().as_bytes());
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    let v = r.json();
+                    for (k, item) in order.iter().zip(v["results"].as_array().unwrap()) {
+                        outcomes.push((*k, item["outcome"].as_str().unwrap().to_owned(), item["token"].clone()));
+                    }
+                } else {
+                    for k in order {
+                        let body = json!({"namespace": "race", "key": format!("k{k}"), "owner": owner});
+                        let r = request(addr, "POST", "/v1/claim", &[], body.to_string().as_bytes());
+                        assert_eq!(r.status, 200, "{}", r.text());
+                        let v = r.json();
+                        outcomes.push((k, v["outcome"].as_str().unwrap().to_owned(), v["token"].clone()));
+                    }
+                }
+                outcomes
+            })
+        })
+        .collect();
+    let mut news: HashMap<usize, Vec<Value>> = HashMap::new();
+    let mut answers = 0;
+    for t in threads {
+        for (k, outcome, token) in t.join().expect("client thread") {
+            answers += 1;
+            if outcome == "new" {
+                news.entry(k).or_default().push(token);
+            } else {
+                assert_eq!(outcome, "duplicate");
+            }
+        }
+    }
+    assert_eq!(answers, KEYS * CLIENTS);
+    for k in 0..KEYS {
+        let tokens = news.get(&k).map_or(0, Vec::len);
+        assert_eq!(tokens, 1, "key k{k} got {tokens} new answers (seed {seed})");
+    }
+}
+
+/// Opens a request whose body has not fully arrived, and waits until the server counts it in
+/// flight. Returns the connection and the rest of the body.
+fn slow_request(s: &Server) -> (TcpStream, Vec<u8>) {
+    let body = br#"{"namespace":"slow","key":"k"}"#.to_vec();
+    let mut tcp = TcpStream::connect(s.addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        tcp,
+        "POST /v1/claim HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    tcp.write_all(&body[..4]).unwrap();
+    eventually(20, "the slow request to be in flight", || {
+        s.metric("dedupgate_requests_in_flight") >= 1.0
+    });
+    (tcp, body[4..].to_vec())
+}
+
+#[test]
+fn in_flight_cap_answers_503_with_retry_after_and_clients_retry() {
+    let s = serve(&["--store", "memory:", "--in-flight-max", "1"]);
+    let (mut slow, rest) = slow_request(&s);
+    let r = s.post_json("/v1/claim", &json!({"namespace": "cap", "key": "k"}));
+    r.assert_problem(503, "unavailable");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    // Monitoring stays answerable at the cap.
+    assert_eq!(s.get("/healthz").status, 200);
+
+    // The CLI's client retries on 503: it succeeds once the slow request is done.
+    let cli = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .args(["claim", "--server", &s.url(), "-n", "cap", "-k", "retried"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually(20, "the CLI's first try to get a 503", || {
+        s.metric(r#"dedupgate_errors_total{code="unavailable"}"#) >= 2.0
+    });
+    slow.write_all(&rest).unwrap();
+    assert_eq!(read_response(&mut slow).status, 200);
+    let out = cli.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["outcome"], "new");
+    assert!(s.record("cap", "k").is_none(), "the 503 decided nothing");
+}
+
+#[test]
+fn slow_requests_time_out_with_503() {
+    let s = serve(&["--store", "memory:", "--request-timeout", "300ms"]);
+    let (mut slow, _rest) = slow_request(&s);
+    let r = read_response(&mut slow);
+    r.assert_problem(503, "unavailable");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(s.record("slow", "k").is_none());
+}
+
+const CLIENT_TOKEN: &str = "client-token-0123456789abcdef";
+const ADMIN_TOKEN: &str = "admin-token-fedcba9876543210";
+
+fn auth_config(dir: &TempDir) -> String {
+    let path = dir.path().join("dedupgate.toml");
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+store = "memory:"
+[[tokens]]
+name = "payments workers"
+token = "{CLIENT_TOKEN}"
+namespaces = ["pay*"]
+role = "client"
+
+[[tokens]]
+name = "operator"
+token = "{ADMIN_TOKEN}"
+namespaces = ["*"]
+role = "admin"
+"#
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+fn with_token(
+    s: &Server,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: &Value,
+) -> http_support::Resp {
+    let auth = format!("Bearer {token}");
+    let body = if method == "POST" {
+        body.to_string()
+    } else {
+        String::new()
+    };
+    request(
+        s.addr,
+        method,
+        path,
+        &[("Authorization", &auth)],
+        body.as_bytes(),
+    )
+}
+
+#[test]
+fn bearer_tokens_namespaces_and_roles() {
+    let dir = TempDir::new("auth");
+    let config = auth_config(&dir);
+    let s = serve(&["--config", &config]);
+    let claim = json!({"namespace": "payments", "key": "k"});
+    s.post_json("/v1/claim", &claim)
+        .assert_problem(401, "unauthorized");
+    with_token(&s, "wrong-token-wrong-token", "POST", "/v1/claim", &claim)
+        .assert_problem(401, "unauthorized");
+    request(
+        s.addr,
+        "POST",
+        "/v1/claim",
+        &[("Authorization", CLIENT_TOKEN)],
+        claim.to_string().as_bytes(),
+    )
+    .assert_problem(401, "unauthorized");
+    let r = with_token(&s, CLIENT_TOKEN, "POST", "/v1/claim", &claim);
+    assert_eq!(r.status, 200, "{}", r.text());
+    with_token(
+        &s,
+        CLIENT_TOKEN,
+        "POST",
+        "/v1/claim",
+        &json!({"namespace": "orders", "key": "k"}),
+    )
+    .assert_problem(403, "forbidden");
+    assert_eq!(
+        with_token(
+            &s,
+            CLIENT_TOKEN,
+            "GET",
+            "/v1/record?namespace=payments&key=k",
+            &json!(null)
+        )
+        .status,
+        200
+    );
+    with_token(
+        &s,
+        CLIENT_TOKEN,
+        "DELETE",
+        "/v1/record?namespace=payments&key=k",
+        &json!(null),
+    )
+    .assert_problem(403, "forbidden");
+    // A batch: the forbidden items get their own 403, the rest are decided.
+    let r = with_token(
+        &s,
+        CLIENT_TOKEN,
+        "POST",
+        "/v1/batch",
+        &json!({"ops": [
+            {"op": "claim", "namespace": "payouts", "key": "1"},
+            {"op": "claim", "namespace": "orders", "key": "1"},
+            {"op": "forget", "namespace": "payments", "key": "k"},
+        ]}),
+    );
+    assert_eq!(r.status, 200);
+    let items = r.json()["results"].clone();
+    assert_eq!(items[0]["outcome"], "new");
+    assert_eq!(items[1]["error"]["code"], "forbidden");
+    assert_eq!(items[2]["error"]["code"], "forbidden");
+    // The admin may delete anywhere.
+    let r = with_token(
+        &s,
+        ADMIN_TOKEN,
+        "DELETE",
+        "/v1/record?namespace=payments&key=k",
+        &json!(null),
+    );
+    assert_eq!(r.json(), json!({"deleted": true}));
+    // Monitoring needs no token; tokens never reach logs or metrics.
+    assert_eq!(s.get("/healthz").status, 200);
+    let metrics = s.get("/metrics").text();
+    assert!(
+        metrics.contains(r#"dedupgate_errors_total{code="unauthorized"} 3"#),
+        "{metrics}"
+    );
+    // Two whole requests and two batch items.
+    assert!(
+        metrics.contains(r#"dedupgate_errors_total{code="forbidden"} 4"#),
+        "{metrics}"
+    );
+    let log = s.log();
+    assert!(log.contains("auth=on (2 tokens)"), "{log}");
+    for secret in [CLIENT_TOKEN, ADMIN_TOKEN] {
+        assert!(!log.contains(secret) && !metrics.contains(secret));
+    }
+}
+
+#[test]
+fn refuses_non_loopback_without_tokens_unless_told() {
+    let err = try_serve(&["--listen", "0.0.0.0:0", "--store", "memory:"], &[])
+        .err()
+        .expect("must refuse");
+    assert!(err.contains("--allow-unauthenticated-remote"), "{err}");
+    let s = serve(&[
+        "--listen",
+        "0.0.0.0:0",
+        "--store",
+        "memory:",
+        "--allow-unauthenticated-remote",
+    ]);
+    assert!(s.log().contains("auth=off"));
+    drop(s);
+    let dir = TempDir::new("remote");
+    let config = auth_config(&dir);
+    let s = serve(&["--listen", "0.0.0.0:0", "--config", &config]);
+    assert!(s.log().contains("auth=on"));
+}
+
+fn claim_ttl_ms(s: &Server) -> u64 {
+    let v = s
+        .post_json("/v1/claim", &json!({"namespace": "cfg", "key": "k"}))
+        .json();
+    let rec = s.record("cfg", "k").unwrap();
+    assert_eq!(rec["fence"], v["fence"]);
+    rec["expires_at_ms"].as_u64().unwrap() - rec["created_at_ms"].as_u64().unwrap()
+}
+
+#[test]
+fn flags_beat_environment_beat_config_file() {
+    let dir = TempDir::new("precedence");
+    let path = dir.path().join("c.toml");
+    std::fs::write(&path, "store = \"memory:\"\ndefault_ttl = \"1h\"\n").unwrap();
+    let config = path.display().to_string();
+    let hour = 3_600_000;
+    assert_eq!(claim_ttl_ms(&serve(&["--config", &config])), hour);
+    let env = [("DEDUPGATE_DEFAULT_TTL", "2h")];
+    assert_eq!(
+        claim_ttl_ms(&serve_env(&["--config", &config], &env)),
+        2 * hour
+    );
+    assert_eq!(
+        claim_ttl_ms(&serve_env(
+            &["--config", &config, "--default-ttl", "3h"],
+            &env
+        )),
+        3 * hour
+    );
+    // A bad file is a clear start-up error.
+    std::fs::write(&path, "default_ttl = \"1h\"\nlisten_typo = 1\n").unwrap();
+    let err = try_serve(&["--config", &config, "--store", "memory:"], &[])
+        .err()
+        .unwrap();
+    assert!(err.contains("listen_typo"), "{err}");
+}
+
+fn cli(args: &[&str]) -> (i32, Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .args(args)
+        .env_remove("DEDUPGATE_SERVER")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let v = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    (
+        out.status.code().unwrap_or(-1),
+        v,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn cli_api_subcommands_against_the_server() {
+    let s = serve(&["--store", "memory:"]);
+    let url = s.url();
+    let base = ["--server", url.as_str(), "-n", "shell", "-k", "job-1"];
+    let with = |cmd: &str, extra: &[&str]| {
+        let mut a = vec![cmd];
+        a.extend_from_slice(&base);
+        a.extend_from_slice(extra);
+        cli(&a)
+    };
+    let (code, claim, _) = with("claim", &["--lease", "30s", "--owner", "me"]);
+    assert_eq!(
+        (code, claim["outcome"].as_str()),
+        (0, Some("new")),
+        "{claim}"
+    );
+    let token = claim["token"].as_str().unwrap().to_owned();
+    let (code, dup, _) = with("claim", &[]);
+    assert_eq!((code, dup["outcome"].as_str()), (0, Some("duplicate")));
+    let (code, ext, _) = with("extend", &["--token", &token, "--lease", "1m"]);
+    assert_eq!(code, 0);
+    assert!(ext["lease_expires_at_ms"].is_u64());
+    let (code, _, err) = with("complete", &["--token", "not-the-token"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("lease_lost"), "{err}");
+    let (code, done, _) = with(
+        "complete",
+        &["--token", &token, "--result", r#"{"rows":3}"#],
+    );
+    assert_eq!(code, 0);
+    assert_eq!(done["record"]["result"], json!({"rows": 3}));
+    let (code, rec, _) = with("get", &[]);
+    assert_eq!((code, rec["state"].as_str()), (0, Some("completed")));
+    let (code, del, _) = with("forget", &[]);
+    assert_eq!((code, del), (0, json!({"deleted": true})));
+    let (code, _, err) = with("get", &[]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not_found"), "{err}");
+    let (code, mark, _) = with("mark", &["--ttl", "1h"]);
+    assert_eq!((code, mark["outcome"].as_str()), (0, Some("new")));
+    let (code, _, err) = with("claim", &["--ttl", "0s"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("ttl"), "{err}");
+    // Directly against a store, through the library's Gate.
+    let (code, direct, _) = cli(&["claim", "--store", "memory:", "-n", "shell", "-k", "x"]);
+    assert_eq!((code, direct["outcome"].as_str()), (0, Some("new")));
+    let (code, _, err) = cli(&["claim", "-n", "shell", "-k", "x"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--server"), "{err}");
+}
