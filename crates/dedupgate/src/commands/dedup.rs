@@ -462,7 +462,10 @@ impl<'a> LedgerSink<'a> {
         }
         counts.emitted += claimed.len() as u64;
         self.rt
-            .block_on(self.backend.complete_batch(self.namespace, &claimed))
+            .block_on(
+                self.backend
+                    .complete_batch(self.namespace, &claimed, self.ttl_ms),
+            )
             .with_context(|| {
                 format!(
                     "ledger {}: the records were written but not recorded; they will be \

@@ -252,7 +252,13 @@ impl Backend {
 
     /// Completes many claims in one round trip. Fails as a whole if any completion failed:
     /// an uncompleted claim is re-offered after its lease, so the caller must know.
-    pub async fn complete_batch(&self, ns: &str, claims: &[(String, Token)]) -> anyhow::Result<()> {
+    /// The records are kept `ttl_ms` from now (a claim's own expiry is stretched to its lease).
+    pub async fn complete_batch(
+        &self,
+        ns: &str,
+        claims: &[(String, Token)],
+        ttl_ms: u64,
+    ) -> anyhow::Result<()> {
         if claims.is_empty() {
             return Ok(());
         }
@@ -260,7 +266,7 @@ impl Backend {
             Backend::Remote(c) => {
                 let ops = claims
                     .iter()
-                    .map(|(k, t)| json!({"op": "complete", "namespace": ns, "key": k, "token": t.as_str()}))
+                    .map(|(k, t)| json!({"op": "complete", "namespace": ns, "key": k, "token": t.as_str(), "ttl_ms": ttl_ms}))
                     .collect();
                 c.batch(ops)
                     .await?
@@ -277,7 +283,7 @@ impl Backend {
                         Op::Complete {
                             token: t.clone(),
                             result: None,
-                            ttl_ms: None,
+                            ttl_ms: Some(ttl_ms),
                         },
                     ));
                 }

@@ -1,0 +1,516 @@
+//! End-to-end tests of `dedupgate dedup`, driving the real binary: JSON Lines and CSV, files
+//! and stdin, keep first/last, rejects, unicode keys, empty input, templates, and the ledger
+//! across runs (embedded store in a temporary directory, or `DEDUPGATE_TEST_CLI_STORE`; and
+//! a real `dedupgate serve` for `--server`).
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+fn dg() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dedupgate"));
+    c.env("RUST_LOG", "warn");
+    c
+}
+
+fn run_with_stdin(mut cmd: Command, stdin: &[u8]) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let data = stdin.to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = input.write_all(&data);
+    });
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    out
+}
+
+fn out(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    fs::write(&p, text).unwrap();
+    p
+}
+
+fn ledger(dir: &Path) -> (String, String) {
+    let store = std::env::var("DEDUPGATE_TEST_CLI_STORE")
+        .unwrap_or_else(|_| format!("embedded:{}", dir.join("ledger").display()));
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    (store, format!("t-dedup-{}-{nanos}", std::process::id()))
+}
+
+#[test]
+fn keeps_the_first_or_last_record_of_each_key_and_says_what_it_did() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(
+        dir.path(),
+        "in.jsonl",
+        "{\"a\":1,\"b\":\"x\",\"v\":1}\n{\"b\":\"x\",\"a\":1,\"v\":2}\n\n{\"a\":2,\"b\":\"x\",\"v\":3}\r\n{\"a\":1,\"b\":\"x\",\"v\":4}\n",
+    );
+    let first = dg()
+        .args(["dedup", "--key-fields", "a,b"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(first.status.success(), "{}", err(&first));
+    assert_eq!(
+        out(&first),
+        "{\"a\":1,\"b\":\"x\",\"v\":1}\n{\"a\":2,\"b\":\"x\",\"v\":3}\n"
+    );
+    let stderr_text = err(&first);
+    let summary: Vec<&str> = stderr_text.lines().collect();
+    assert_eq!(summary.len(), 1, "no progress bar when piped: {summary:?}");
+    assert!(
+        summary[0].starts_with("dedupgate dedup: read 4, emitted 2, duplicates 2, rejected 0"),
+        "{summary:?}"
+    );
+    let last = dg()
+        .args(["dedup", "--key-fields", "a,b", "--keep", "last"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out(&last),
+        "{\"a\":2,\"b\":\"x\",\"v\":3}\n{\"a\":1,\"b\":\"x\",\"v\":4}\n"
+    );
+    // Keep last from stdin (spooled), to a file.
+    let target = dir.path().join("out.jsonl");
+    let mut cmd = dg();
+    cmd.args(["dedup", "--key-fields", "a,b", "--keep", "last", "-q", "-o"])
+        .arg(&target);
+    let piped = run_with_stdin(cmd, &fs::read(&input).unwrap());
+    assert!(piped.status.success(), "{}", err(&piped));
+    assert_eq!(err(&piped), "", "--quiet prints nothing");
+    assert_eq!(fs::read_to_string(&target).unwrap(), out(&last));
+}
+
+#[test]
+fn malformed_lines_stop_the_run_with_their_position_or_go_to_rejects() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(
+        dir.path(),
+        "in.jsonl",
+        "{\"id\":1}\n{\"id\":1\n[1,2]\n{\"other\":3}\n{\"id\":{\"deep\":[1]}}\n{\"id\":2}\n",
+    );
+    let stopped = dg()
+        .args(["dedup", "--key-fields", "id"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(stopped.status.code(), Some(1));
+    assert!(
+        err(&stopped).contains("in.jsonl:2: malformed JSON"),
+        "{}",
+        err(&stopped)
+    );
+    let rejects = dir.path().join("rejects.jsonl");
+    let kept = dg()
+        .args(["dedup", "--key-fields", "id", "--rejects"])
+        .arg(&rejects)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(kept.status.success(), "{}", err(&kept));
+    assert_eq!(
+        out(&kept),
+        "{\"id\":1}\n{\"id\":{\"deep\":[1]}}\n{\"id\":2}\n",
+        "nested values are keys too"
+    );
+    let lines: Vec<serde_json::Value> = fs::read_to_string(&rejects)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["line"], 2);
+    assert_eq!(lines[0]["record"], "{\"id\":1");
+    assert!(lines[0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("malformed JSON"));
+    assert_eq!(lines[1]["line"], 3);
+    assert!(lines[1]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("not a JSON object"));
+    assert_eq!(lines[2]["line"], 4);
+    assert!(lines[2]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("missing key field `id`"));
+    assert!(
+        err(&kept).contains("read 6, emitted 3, duplicates 0, rejected 3"),
+        "{}",
+        err(&kept)
+    );
+}
+
+#[test]
+fn csv_quoting_survives_and_keys_are_column_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "name,city,note\n\
+                \"Smith, J\",Zürich,\"said \"\"hi\"\"\"\n\
+                \"O'Brien\",\"multi\nline\",2\n\
+                \"Smith, J\",Zürich,dup\n\
+                short\n\
+                \"O'Brien\",\"multi\nline\",dup2\n";
+    let input = write(dir.path(), "people.csv", text);
+    let rejects = dir.path().join("rej.jsonl");
+    let o = dg()
+        .args([
+            "dedup",
+            "--key-fields",
+            "name,city",
+            "--emit-id",
+            "id",
+            "--rejects",
+        ])
+        .arg(&rejects)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    let got = out(&o);
+    let mut lines = got.split_inclusive('\n');
+    assert_eq!(lines.next(), Some("name,city,note,id\n"));
+    let rest: String = lines.collect();
+    assert!(
+        rest.starts_with("\"Smith, J\",Zürich,\"said \"\"hi\"\"\","),
+        "{rest}"
+    );
+    assert!(rest.contains("O'Brien,\"multi\nline\",2,"), "{rest}");
+    assert!(!rest.contains("dup"), "{rest}");
+    let rej = fs::read_to_string(&rejects).unwrap();
+    assert!(rej.contains("row has 1 fields, the header 3"), "{rej}");
+    // The CSV id is the Python recipe over the cells as strings (csv.DictReader's view).
+    let expected = recipe_id(&[("city", "\"Z\\u00fcrich\""), ("name", "\"Smith, J\"")]);
+    assert!(
+        rest.lines().next().unwrap().ends_with(&expected),
+        "{rest} vs {expected}"
+    );
+    // A key column that does not exist is an error for the whole file.
+    let bad = dg()
+        .args(["dedup", "--key-fields", "nope"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        err(&bad).contains("key field `nope` is not a column"),
+        "{}",
+        err(&bad)
+    );
+}
+
+/// The recipe's id of a canonical object written by hand from sorted (field, JSON text) pairs:
+/// `sha256sum` of `{"f": v, …}` (the id tests compare with python3 itself).
+fn recipe_id(pairs: &[(&str, &str)]) -> String {
+    let body: Vec<String> = pairs.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+    let canonical = format!("{{{}}}", body.join(", "));
+    let o = run_with_stdin(
+        {
+            let mut c = Command::new("sha256sum");
+            c.arg("-");
+            c
+        },
+        canonical.as_bytes(),
+    );
+    out(&o).split_whitespace().next().unwrap().to_owned()
+}
+
+#[test]
+fn unicode_keys_match_however_they_are_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(
+        dir.path(),
+        "u.jsonl",
+        "{\"é\":\"😀\",\"n\":1}\n{\"\\u00e9\":\"\\ud83d\\ude00\",\"n\":2}\n{\"é\":\"😁\",\"n\":3}\n{\"é\":\"e\\u0301\",\"n\":4}\n",
+    );
+    let o = dg()
+        .args(["dedup", "--key-fields", "é"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    assert_eq!(
+        out(&o),
+        "{\"é\":\"😀\",\"n\":1}\n{\"é\":\"😁\",\"n\":3}\n{\"é\":\"e\\u0301\",\"n\":4}\n",
+        "escaped and raw spellings of one string are one key; other code points are not"
+    );
+}
+
+#[test]
+fn empty_input_gives_empty_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = write(dir.path(), "empty.jsonl", "");
+    let o = dg()
+        .args(["dedup", "--key-fields", "a"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert_eq!(out(&o), "");
+    assert!(err(&o).contains("read 0, emitted 0, duplicates 0, rejected 0"));
+    let mut cmd = dg();
+    cmd.args(["dedup", "--key-fields", "a"]);
+    let o = run_with_stdin(cmd, b"");
+    assert!(o.status.success());
+    assert_eq!(out(&o), "");
+    let header_only = write(dir.path(), "h.csv", "a,b\n");
+    let o = dg()
+        .args(["dedup", "--key-fields", "a"])
+        .arg(&header_only)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    assert_eq!(out(&o), "a,b\n");
+    let nothing = write(dir.path(), "n.csv", "");
+    let o = dg()
+        .args(["dedup", "--key-fields", "a"])
+        .arg(&nothing)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    assert_eq!(out(&o), "");
+}
+
+#[test]
+fn key_templates_with_time_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(
+        dir.path(),
+        "sig.jsonl",
+        "{\"asset\":\"ETH\",\"signal\":\"momentum\",\"ts\":\"2026-03-01T14:31:00Z\"}\n\
+         {\"asset\":\"ETH\",\"signal\":\"momentum\",\"ts\":1772375699}\n\
+         {\"asset\":\"ETH\",\"signal\":\"momentum\",\"ts\":\"2026-03-01T14:35:00Z\"}\n\
+         {\"asset\":\"ETH\",\"signal\":\"momentum\",\"ts\":\"yesterday\"}\n",
+    );
+    let rejects = dir.path().join("r.jsonl");
+    let o = dg()
+        .args([
+            "dedup",
+            "--key-template",
+            "{asset}_{signal}_{ts|window:5m}",
+            "--rejects",
+        ])
+        .arg(&rejects)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    assert_eq!(out(&o).lines().count(), 2);
+    assert!(fs::read_to_string(&rejects).unwrap().contains("field `ts`"));
+    let bad = dg()
+        .args(["dedup", "--key-template", "{ts|window:5q}"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(err(&bad).contains("unknown unit"), "{}", err(&bad));
+}
+
+/// Events at minutes 0..60 of one hour: `{"event_id": i, "ts": …}`.
+fn events(range: std::ops::Range<u32>) -> String {
+    range
+        .map(|m| {
+            format!(
+                "{{\"event_id\":{m},\"ts\":\"2026-03-01T14:{m:02}:00Z\",\"payload\":\"p{m}\"}}\n"
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_ledger_rerun_over_an_overlapping_window_emits_only_what_is_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    // [T1, T2] then [T0, T2]: minutes 20..60, then 0..60.
+    let late = write(dir.path(), "t1_t2.jsonl", &events(20..60));
+    let all = write(dir.path(), "t0_t2.jsonl", &events(0..60));
+    let dedup = |input: &Path| {
+        dg().args([
+            "dedup",
+            "--key-fields",
+            "event_id",
+            "--ledger",
+            &store,
+            "--namespace",
+            &ns,
+        ])
+        .arg(input)
+        .output()
+        .unwrap()
+    };
+    let first = dedup(&late);
+    assert!(first.status.success(), "{}", err(&first));
+    assert_eq!(out(&first), events(20..60));
+    let second = dedup(&all);
+    assert!(second.status.success(), "{}", err(&second));
+    assert_eq!(
+        out(&second),
+        events(0..20),
+        "nothing of the overlap is emitted twice"
+    );
+    assert!(
+        err(&second).contains("read 60, emitted 20, duplicates 40"),
+        "{}",
+        err(&second)
+    );
+    let third = dedup(&all);
+    assert_eq!(out(&third), "", "a third run emits nothing");
+    // Duplicates inside one input are dropped too, in the same batch or across batches.
+    let doubled = write(
+        dir.path(),
+        "doubled.jsonl",
+        &(events(60..61) + &events(60..61)),
+    );
+    let fourth = dedup(&doubled);
+    assert_eq!(out(&fourth), events(60..61));
+}
+
+#[test]
+fn ledger_keys_expire_after_the_ttl() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let input = write(dir.path(), "e.jsonl", &events(0..3));
+    let dedup = || {
+        dg().args([
+            "dedup",
+            "--key-fields",
+            "event_id",
+            "--ttl",
+            "1s",
+            "--ledger",
+            &store,
+            "--namespace",
+            &ns,
+        ])
+        .arg(&input)
+        .output()
+        .unwrap()
+    };
+    assert_eq!(out(&dedup()), events(0..3));
+    assert_eq!(out(&dedup()), "");
+    std::thread::sleep(Duration::from_millis(1300));
+    assert_eq!(
+        out(&dedup()),
+        events(0..3),
+        "after the ttl the keys are new again"
+    );
+}
+
+#[test]
+fn ledger_with_keep_last_and_emit_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let input = write(
+        dir.path(),
+        "k.jsonl",
+        "{\"k\":1,\"v\":\"a\"}\n{\"k\":1,\"v\":\"b\"}\n{\"k\":2,\"v\":\"c\"}\n",
+    );
+    let o = dg()
+        .args([
+            "dedup",
+            "--key-fields",
+            "k",
+            "--keep",
+            "last",
+            "--emit-id",
+            "id",
+            "--ledger",
+            &store,
+            "--namespace",
+            &ns,
+        ])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    let id1 = recipe_id(&[("k", "1")]);
+    let id2 = recipe_id(&[("k", "2")]);
+    assert_eq!(
+        out(&o),
+        format!(
+            "{{\"k\":1,\"v\":\"b\",\"id\":\"{id1}\"}}\n{{\"k\":2,\"v\":\"c\",\"id\":\"{id2}\"}}\n"
+        )
+    );
+    let again = dg()
+        .args([
+            "dedup",
+            "--key-fields",
+            "k",
+            "--keep",
+            "last",
+            "--ledger",
+            &store,
+            "--namespace",
+            &ns,
+        ])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(out(&again), "");
+}
+
+#[test]
+fn ledger_on_a_server() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = dg()
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--store",
+            "memory:",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let late = write(dir.path(), "late.jsonl", &events(30..60));
+    let all = write(dir.path(), "all.jsonl", &events(0..60));
+    let dedup = |input: &Path| {
+        dg().args(["dedup", "--key-fields", "event_id", "--server", &url])
+            .arg(input)
+            .output()
+            .unwrap()
+    };
+    let first = dedup(&late);
+    let second = dedup(&all);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(first.status.success(), "{}", err(&first));
+    assert_eq!(out(&first), events(30..60));
+    assert_eq!(out(&second), events(0..30));
+}
