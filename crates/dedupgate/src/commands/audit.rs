@@ -50,8 +50,8 @@ pub struct AuditArgs {
     /// A table to audit (schema.table).
     #[arg(long, value_name = "NAME", requires = "postgres")]
     table: Option<String>,
-    /// The source the destination is reconciled with: files.
-    #[arg(long, value_name = "SOURCE", num_args = 1..)]
+    /// The source the destination is reconciled with: a file (repeat for more).
+    #[arg(long, value_name = "SOURCE")]
     against: Vec<PathBuf>,
     /// The source as SQL on --postgres.
     #[arg(
