@@ -63,6 +63,12 @@ pub struct LinConfig {
     pub skew_ms: u64,
     /// Search steps per key before giving up with [`Verdict::Inconclusive`].
     pub steps_max: u64,
+    /// Require the store's clock to be non-decreasing along the linearization (true for a store
+    /// that reads its clock inside its atomic section: memory, embedded, Redis). A store that
+    /// reads its clock *before* waiting for a lock (PostgreSQL reads `clock_timestamp()` at the
+    /// start of its function) can decide an operation at an instant earlier than the one
+    /// ordered before it; with `false` each operation's instant is only bound to its own window.
+    pub monotonic_clock: bool,
 }
 
 impl Default for LinConfig {
@@ -70,6 +76,7 @@ impl Default for LinConfig {
         Self {
             skew_ms: 0,
             steps_max: 2_000_000,
+            monotonic_clock: true,
         }
     }
 }
@@ -302,6 +309,7 @@ struct Search<'a> {
     global_hints_ms: Vec<u64>,
     steps: u64,
     steps_max: u64,
+    monotonic: bool,
     memo: HashSet<MemoKey>,
     deepest: Vec<Placed>,
     deepest_state: Option<State>,
@@ -379,6 +387,7 @@ impl<'a> Search<'a> {
             global_hints_ms: global.into_iter().collect(),
             steps: 0,
             steps_max: cfg.steps_max,
+            monotonic: cfg.monotonic_clock,
             memo: HashSet::new(),
             deepest: Vec::new(),
             deepest_state: None,
@@ -387,7 +396,11 @@ impl<'a> Search<'a> {
 
     fn candidates(&self, i: usize, state: &State) -> Vec<u64> {
         let op = &self.ops[i];
-        let lo = op.lo_ms.max(state.last_now_ms);
+        let lo = if self.monotonic {
+            op.lo_ms.max(state.last_now_ms)
+        } else {
+            op.lo_ms
+        };
         let hi = op.hi_ms;
         if lo > hi {
             return vec![];
@@ -471,7 +484,7 @@ impl<'a> Search<'a> {
                 .enumerate()
                 .filter(|(i, o)| !state.done[*i] && o.return_ns.is_some())
         };
-        if pending_known().any(|(_, o)| o.hi_ms < state.last_now_ms) {
+        if self.monotonic && pending_known().any(|(_, o)| o.hi_ms < state.last_now_ms) {
             return Ok(false);
         }
         let min_return_ns = pending_known()

@@ -77,6 +77,9 @@ pub struct RunConfig {
     pub lin_skew_ms: u64,
     /// Part of every namespace of the run, so runs on a shared server never meet.
     pub run_tag: String,
+    /// Kill the gate even over the memory store, which forgets everything: only to prove that
+    /// the oracles see the losses and duplicates that follow.
+    pub allow_volatile_gate_kills: bool,
 }
 
 impl RunConfig {
@@ -106,6 +109,7 @@ impl RunConfig {
             seed,
             lin: true,
             lin_skew_ms: 1,
+            allow_volatile_gate_kills: false,
             run_tag: format!(
                 "{:x}.{:x}",
                 seed,
@@ -366,7 +370,7 @@ fn spawn_worker(
 pub async fn run(cfg: RunConfig) -> Result<RunReport, RunError> {
     let started = Instant::now();
     std::fs::create_dir_all(&cfg.run_dir)?;
-    let durable = !(cfg.store.starts_with("memory"));
+    let durable = !(cfg.store.starts_with("memory")) || cfg.allow_volatile_gate_kills;
     if cfg.face == Face::Library
         && !(cfg.store.starts_with("redis") || cfg.store.starts_with("postgres"))
     {
@@ -524,6 +528,7 @@ pub async fn run(cfg: RunConfig) -> Result<RunReport, RunError> {
             &LinConfig {
                 skew_ms: cfg.lin_skew_ms,
                 steps_max: 200_000,
+                monotonic_clock: !clock_may_lag(&cfg.store),
             },
         );
         let violations = report
@@ -626,6 +631,12 @@ fn watch_pause(
         }
         Some(_) => {}
     }
+}
+
+/// True for stores known to read their clock before waiting for a row lock (see
+/// [`LinConfig::monotonic_clock`]).
+pub fn clock_may_lag(store: &str) -> bool {
+    store.starts_with("postgres")
 }
 
 /// The `dedupgate-torture` binary next to the running test or tool (`target/<profile>/`).

@@ -87,6 +87,10 @@ enum Cmd {
         /// Clock allowance, ms.
         #[arg(long, default_value_t = 1)]
         skew_ms: u64,
+        /// Do not require the store's clock to be non-decreasing in the linearization (for a
+        /// store that reads its clock before waiting for a lock: PostgreSQL).
+        #[arg(long)]
+        clock_may_lag: bool,
         /// Seed (default: random, printed).
         #[arg(long)]
         seed: Option<u64>,
@@ -212,6 +216,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             clients,
             ops,
             skew_ms,
+            clock_may_lag,
             seed,
         } => {
             let seed = pick_seed(seed, "lin");
@@ -227,6 +232,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     &events,
                     &LinConfig {
                         skew_ms,
+                        monotonic_clock: !clock_may_lag,
                         ..LinConfig::default()
                     },
                 );

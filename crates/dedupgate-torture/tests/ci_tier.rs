@@ -1,0 +1,149 @@
+//! The CI tier of the torture harness: crash cycles with real processes (workers SIGKILLed at
+//! random, lease holders SIGSTOPped past their lease, the embedded gate SIGKILLed and
+//! restarted), then the effect oracle and the linearizability checker over everything logged.
+//! Each run prints its seed; replay one with `DEDUPGATE_TORTURE_SEED=…`.
+//!
+//! A run proves its faults fired: the assertions below require kills, pauses, takeovers, late
+//! writes refused by the sink and stale completions refused by the gate, not just zero
+//! violations.
+
+use std::path::PathBuf;
+
+use dedupgate_torture::runner::{self, Face, RunConfig, RunReport};
+
+fn exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
+}
+
+fn redis_url() -> String {
+    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+fn pg_url() -> String {
+    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+async fn torture(
+    store: &str,
+    face: Face,
+    cycles: u64,
+    tweak: impl FnOnce(&mut RunConfig),
+) -> RunReport {
+    let seed = dedupgate_torture::seed(&format!("torture {store} {face:?}"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
+    cfg.pause_pct = 8;
+    tweak(&mut cfg);
+    let report = runner::run(cfg)
+        .await
+        .expect("the run could be carried out");
+    eprintln!("{}", report.summary());
+    report
+}
+
+fn assert_clean(r: &RunReport) {
+    let seed = r.config.seed;
+    assert!(
+        r.oracle.duplicates.is_empty(),
+        "seed {seed}: duplicates {:#?}",
+        r.oracle.duplicates
+    );
+    assert!(
+        r.oracle.lost.is_empty(),
+        "seed {seed}: lost {:#?}",
+        r.oracle.lost
+    );
+    assert!(
+        r.oracle.fence_violations.is_empty(),
+        "seed {seed}: fences {:#?}",
+        r.oracle.fence_violations
+    );
+    assert!(
+        r.oracle.replay_mismatches.is_empty(),
+        "seed {seed}: replays {:#?}",
+        r.oracle.replay_mismatches
+    );
+    assert!(
+        r.lin_violations.is_empty(),
+        "seed {seed}: {:#?}",
+        r.lin_violations
+    );
+    // The faults fired and were seen doing what they are for.
+    assert_eq!(r.faults.cycles, r.config.cycles, "seed {seed}");
+    assert!(
+        r.faults.worker_sigkills > 0,
+        "seed {seed}: no worker was killed"
+    );
+    assert!(
+        r.faults.sigstops > 0,
+        "seed {seed}: no lease holder was paused"
+    );
+    assert_eq!(
+        r.faults.sigstops, r.faults.sigconts,
+        "seed {seed}: a paused worker was not resumed"
+    );
+    assert!(
+        r.faults.takeovers > 0,
+        "seed {seed}: no paused holder's event was taken over"
+    );
+    assert!(
+        r.oracle.late_writes_rejected > 0,
+        "seed {seed}: the sink refused no late write"
+    );
+    assert!(
+        r.oracle.stale_completions_refused > 0,
+        "seed {seed}: the gate refused no stale completion"
+    );
+    assert!(r.lin_ops > 0 && r.lin_keys > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_face_over_memory_20_crash_cycles() {
+    let r = torture("memory:", Face::Http, 20, |_| {}).await;
+    assert_clean(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_face_over_embedded_with_gate_sigkills_20_crash_cycles() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("embedded:{}", dir.path().join("data").display());
+    let r = torture(&store, Face::Http, 20, |c| c.kill_gate_pct = 30).await;
+    assert_clean(&r);
+    assert!(
+        r.faults.gate_sigkills > 0,
+        "seed {}: the gate was never killed",
+        r.config.seed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_face_over_redis_10_crash_cycles() {
+    let r = torture(&redis_url(), Face::Library, 10, |_| {}).await;
+    assert_clean(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_face_over_postgres_10_crash_cycles() {
+    let r = torture(&pg_url(), Face::Library, 10, |_| {}).await;
+    assert_clean(&r);
+}
+
+/// The oracles have teeth: a gate over the memory store forgets every acknowledged answer when
+/// it is killed, and the run must say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oracles_see_what_a_forgetful_gate_loses() {
+    let r = torture("memory:", Face::Http, 12, |c| {
+        c.kill_gate_pct = 50;
+        c.allow_volatile_gate_kills = true;
+        c.pause_pct = 0;
+    })
+    .await;
+    assert!(r.faults.gate_sigkills > 0, "seed {}", r.config.seed);
+    let found = r.oracle.duplicates.len() + r.oracle.lost.len() + r.lin_violations.len();
+    assert!(
+        found > 0,
+        "seed {}: a forgetful gate went unnoticed",
+        r.config.seed
+    );
+}
