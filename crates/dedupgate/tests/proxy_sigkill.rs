@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 use dedupgate_proxy::sample::SampleApi;
 use proxy_support::{free_port, http, start_proxy, Reply, Scratch};
 
+/// Each burst request's key and what came back (None: cut off).
+type Answers = Vec<(String, Option<Reply>)>;
+
 fn post(addr: SocketAddr, path: &str, key: &str) -> Option<Reply> {
     let body = format!("{{\"order\":\"{key}\"}}");
     http(
@@ -66,7 +69,7 @@ fn sigkill_mid_request_never_reruns_a_completed_request() {
     // In flight at the kill: one slow request and a steady burst of quick ones.
     let slow = std::thread::spawn(move || post(addr, "/v1/charges?delay_ms=4000", "inflight"));
     let stop = Arc::new(AtomicBool::new(false));
-    let answers: Arc<Mutex<Vec<(String, Option<Reply>)>>> = Arc::default();
+    let answers: Arc<Mutex<Answers>> = Arc::default();
     let burst: Vec<_> = (0..6)
         .map(|t| {
             let (stop, answers) = (stop.clone(), answers.clone());
