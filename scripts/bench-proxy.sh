@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Benchmark of `dedupgate proxy` with wrk, in one run:
+#   1. direct: POST straight to the sample API (the upstream);
+#   2. first:  POST through the proxy, every request with a new Idempotency-Key (claim, forward,
+#              store the response, answer);
+#   3. replay: POST through the proxy, every request with the same key (answered from the store).
+# Each scenario runs twice: few connections (latency: what the proxy adds to p50) and many
+# connections (throughput). Prints a Markdown table (also written to $OUT, default
+# target/bench-proxy.md).
+#
+# Usage: scripts/bench-proxy.sh [STORE]      (STORE: memory: by default; e.g. embedded:DIR,
+#                                             redis://127.0.0.1:6379)
+# Env: DURATION (default 10s), LAT_CONNS (4), TPUT_CONNS (64), THREADS (2), SKIP_BUILD=1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STORE="${1:-memory:}"
+DURATION="${DURATION:-10s}"
+LAT_CONNS="${LAT_CONNS:-4}"
+TPUT_CONNS="${TPUT_CONNS:-64}"
+THREADS="${THREADS:-2}"
+OUT="${OUT:-target/bench-proxy.md}"
+UP_PORT="${UP_PORT:-38080}"
+PX_PORT="${PX_PORT:-38081}"
+
+command -v wrk >/dev/null || { echo "wrk is missing: apt-get install -y wrk" >&2; exit 1; }
+
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  cargo build --release -q -p dedupgate --bin dedupgate
+  cargo build --release -q -p dedupgate-proxy --features sample --example sample_api
+fi
+BIN=target/release/dedupgate
+API=target/release/examples/sample_api
+
+WORK="$(mktemp -d)"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+wait_port() {
+  for _ in $(seq 1 200); do
+    (echo > "/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "nothing listens on port $1" >&2; exit 1
+}
+
+"$API" "127.0.0.1:$UP_PORT" 2>"$WORK/api.log" &
+PIDS+=($!)
+wait_port "$UP_PORT"
+case "$STORE" in
+  embedded:) STORE="embedded:$WORK/data" ;;
+esac
+RUST_LOG=warn "$BIN" proxy --upstream "http://127.0.0.1:$UP_PORT" --listen "127.0.0.1:$PX_PORT" \
+  --store "$STORE" --namespace "bench-$$-$RANDOM" 2>"$WORK/proxy.log" &
+PIDS+=($!)
+wait_port "$PX_PORT"
+
+BODY='{"amount":1000,"currency":"eur","customer":"cus_42","description":"benchmark order"}'
+cat >"$WORK/post.lua" <<EOF
+wrk.method = "POST"
+wrk.body = '$BODY'
+wrk.headers["Content-Type"] = "application/json"
+EOF
+cat >"$WORK/unique.lua" <<EOF
+-- Every request gets a key no other request (thread, run) uses.
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("tid", threads)
+end
+local n = 0
+local prefix = "k"
+function init(args)
+  prefix = args[1] or "k"
+end
+function request()
+  n = n + 1
+  return wrk.format("POST", nil, {
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = prefix .. "-" .. tid .. "-" .. n,
+  }, '$BODY')
+end
+EOF
+
+# run NAME CONNS URL ARGS... -> "p50_ms p99_ms rps errors"
+run() {
+  local conns="$1"; shift
+  local out
+  out="$(wrk -t"$THREADS" -c"$conns" -d"$DURATION" --latency "$@")"
+  echo "$out" >>"$WORK/wrk.log"
+  local p50 p99 rps non2xx errs
+  p50="$(echo "$out" | awk '$1=="50%"{print $2}')"
+  p99="$(echo "$out" | awk '$1=="99%"{print $2}')"
+  rps="$(echo "$out" | awk '/^Requests\/sec/{printf "%.0f", $2}')"
+  non2xx="$(echo "$out" | awk '/Non-2xx/{print $NF}')"
+  errs="$(echo "$out" | awk '/Socket errors/{print $0}')"
+  echo "$(to_ms "$p50") $(to_ms "$p99") $rps ${non2xx:-0}${errs:+ ($errs)}"
+}
+
+# wrk prints 512.00us / 1.20ms / 2.00s
+to_ms() {
+  awk -v v="$1" 'BEGIN{
+    if (v ~ /us$/) { sub(/us$/,"",v); printf "%.3f", v/1000 }
+    else if (v ~ /ms$/) { sub(/ms$/,"",v); printf "%.3f", v }
+    else if (v ~ /s$/) { sub(/s$/,"",v); printf "%.3f", v*1000 }
+    else print v }'
+}
+
+UP="http://127.0.0.1:$UP_PORT/v1/charges"
+PX="http://127.0.0.1:$PX_PORT/v1/charges"
+# Store the replayed response once.
+curl -s -o /dev/null -X POST "$PX" -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay' --data "$BODY"
+
+rows=()
+for conns in "$LAT_CONNS" "$TPUT_CONNS"; do
+  d="$(run "$conns" -s "$WORK/post.lua" "$UP")"
+  f="$(run "$conns" -s "$WORK/unique.lua" "$PX" -- "c$conns-$$-$RANDOM")"
+  r="$(run "$conns" -s "$WORK/post.lua" -H 'Idempotency-Key: bench-replay' "$PX")"
+  rows+=("$conns|direct to upstream|$d" "$conns|proxy, first requests|$f" "$conns|proxy, replays|$r")
+done
+
+{
+  echo "store: \`$STORE\`; wrk -t$THREADS -d$DURATION; $(nproc) cores; $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo "| connections | scenario | p50 ms | p99 ms | requests/s | non-2xx |"
+  echo "|---:|---|---:|---:|---:|---|"
+  for row in "${rows[@]}"; do
+    IFS='|' read -r c name rest <<<"$row"
+    read -r p50 p99 rps non <<<"$rest"
+    echo "| $c | $name | $p50 | $p99 | $rps | $non |"
+  done
+} | tee "$OUT"
+grep -c . "$WORK/proxy.log" >/dev/null && { echo; echo "proxy log (last lines):"; tail -n 5 "$WORK/proxy.log"; } || true
