@@ -248,7 +248,9 @@ mod tests {
             expires_at_ms: 2,
             lease_expires_at_ms: Some(3),
             completed_at_ms: Some(4),
-            result: Some(json!({"a": [1, 2.5, "x", null, true], "big": 123456789012345678901234567890u128})),
+            result: Some(
+                json!({"a": [1, 2.5, "x", null, true], "big": 123456789012345678901234567890u128}),
+            ),
         }
     }
 
@@ -281,7 +283,10 @@ mod tests {
         let mut buf = Vec::new();
         encode_entry(&full(), &mut buf);
         for n in 0..buf.len() {
-            assert!(decode_entry(&buf[..n]).is_err(), "prefix of {n} bytes decoded");
+            assert!(
+                decode_entry(&buf[..n]).is_err(),
+                "prefix of {n} bytes decoded"
+            );
         }
         buf.push(0);
         assert!(decode_entry(&buf).is_err());

@@ -13,10 +13,11 @@ use dedupgate_core::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::{Engine, EngineError, EngineOpener, RedbEngine};
+use crate::engine::{Engine, EngineError, EngineOpener};
 use crate::error::OpenError;
+use crate::wal::WalRedbEngine;
 use crate::writer::{check_format, FormatProblem, Request, Shared, Writer};
-use crate::{DB_FILE_NAME, LOCK_FILE_NAME};
+use crate::{ENGINE_DIR_NAME, FORMAT_FILE_NAME, LOCK_FILE_NAME};
 
 /// How the store runs. Durability is not among these: every acknowledged write is fsync'd.
 #[derive(Clone, Debug)]
@@ -93,10 +94,14 @@ impl std::fmt::Debug for EmbeddedStore {
 struct Undo {
     dir: Option<PathBuf>,
     files: Vec<PathBuf>,
+    trees: Vec<PathBuf>,
 }
 
 impl Undo {
     fn run(self) {
+        for t in self.trees.iter().rev() {
+            let _ = fs::remove_dir_all(t);
+        }
         for f in self.files.iter().rev() {
             let _ = fs::remove_file(f);
         }
@@ -108,11 +113,21 @@ impl Undo {
 
 fn engine_open_error(path: &Path, e: EngineError) -> OpenError {
     match e {
-        // redb reports a file that is not a redb database (bad magic number) as invalid data.
-        EngineError::Io(io) if io.kind() == std::io::ErrorKind::InvalidData => OpenError::Corrupt {
-            path: path.to_owned(),
-            detail: format!("not a readable database file ({io})"),
-        },
+        // Unreadable engine files surface as invalid data, or as "not a directory" when a file
+        // sits where the engine's directory should be.
+        EngineError::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::InvalidData
+                    | std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            OpenError::Corrupt {
+                path: path.to_owned(),
+                detail: format!("unreadable engine files ({io})"),
+            }
+        }
         EngineError::Io(io) => OpenError::io(path, io),
         EngineError::Corrupt(detail) => OpenError::Corrupt {
             path: path.to_owned(),
@@ -125,14 +140,60 @@ fn engine_open_error(path: &Path, e: EngineError) -> OpenError {
     }
 }
 
-/// Opens redb, turning a panic on a malformed file into a corrupt-file error.
-fn open_redb(path: &Path) -> Result<Box<dyn Engine>, EngineError> {
-    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| RedbEngine::open(path)));
+/// Writes the format file of a new engine directory, durably.
+fn write_format_file(engine_dir: &Path) -> std::io::Result<()> {
+    let path = engine_dir.join(FORMAT_FILE_NAME);
+    let mut f = File::create(&path)?;
+    std::io::Write::write_all(&mut f, format!("{}\n", crate::FORMAT_VERSION).as_bytes())?;
+    f.sync_all()
+}
+
+/// Reads the format file before anything opens the engine, so an unknown format is refused
+/// without a byte changed.
+fn check_format_file(engine_dir: &Path) -> Result<(), OpenError> {
+    let path = engine_dir.join(FORMAT_FILE_NAME);
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(OpenError::Corrupt {
+                path,
+                detail: "the format file is missing: not a dedupgate store".into(),
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+            return Err(OpenError::Corrupt {
+                path: engine_dir.to_owned(),
+                detail: "a file sits where the engine directory should be".into(),
+            })
+        }
+        Err(e) => return Err(OpenError::io(&path, e)),
+    };
+    match text.trim().parse::<u64>() {
+        Ok(v) if v == crate::FORMAT_VERSION => Ok(()),
+        Ok(found) => Err(OpenError::UnknownFormat {
+            path,
+            found,
+            supported: crate::FORMAT_VERSION,
+        }),
+        Err(_) => Err(OpenError::Corrupt {
+            path,
+            detail: format!(
+                "the format file holds {:?}, not a version number",
+                text.trim()
+            ),
+        }),
+    }
+}
+
+/// Opens the engine, turning a panic on malformed files into a corrupt-files error.
+fn open_engine(path: &Path) -> Result<Box<dyn Engine>, EngineError> {
+    let opened =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| WalRedbEngine::open(path)));
     match opened {
         Ok(Ok(engine)) => Ok(Box::new(engine)),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(EngineError::Corrupt(
-            "the engine could not read the file's header".into(),
+            "the engine could not read its files".into(),
         )),
     }
 }
@@ -154,11 +215,7 @@ impl EmbeddedStore {
         }
     }
 
-    fn open_dir(
-        dir: &Path,
-        options: EmbeddedOptions,
-        undo: &mut Undo,
-    ) -> Result<Self, OpenError> {
+    fn open_dir(dir: &Path, options: EmbeddedOptions, undo: &mut Undo) -> Result<Self, OpenError> {
         match fs::metadata(dir) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => {
@@ -206,11 +263,39 @@ impl EmbeddedStore {
             Err(e) => return Err(OpenError::io(&lock_path, e)),
         }
 
-        let db_path = dir.join(DB_FILE_NAME);
+        let db_path = dir.join(ENGINE_DIR_NAME);
         if !db_path.exists() {
-            undo.files.push(db_path.clone());
+            // A new engine is built aside and renamed into place, so a crash during creation
+            // leaves no half-made engine for the next open to trip over.
+            let staging = dir.join(format!("{ENGINE_DIR_NAME}.new"));
+            if staging.exists() {
+                fs::remove_dir_all(&staging).map_err(|e| OpenError::io(&staging, e))?;
+            }
+            undo.trees.push(staging.clone());
+            fs::create_dir(&staging).map_err(|e| OpenError::io(&staging, e))?;
+            write_format_file(&staging).map_err(|e| OpenError::io(&staging, e))?;
+            {
+                let mut fresh =
+                    open_engine(&staging).map_err(|e| engine_open_error(&staging, e))?;
+                match check_format(fresh.as_mut()) {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(problem)) => {
+                        return Err(OpenError::Engine {
+                            path: staging,
+                            detail: problem.to_string(),
+                        })
+                    }
+                    Err(e) => return Err(engine_open_error(&staging, e)),
+                }
+            }
+            fs::rename(&staging, &db_path).map_err(|e| OpenError::io(&db_path, e))?;
+            undo.trees.push(db_path.clone());
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| OpenError::io(dir, e))?;
         }
-        let mut engine = open_redb(&db_path).map_err(|e| engine_open_error(&db_path, e))?;
+        check_format_file(&db_path)?;
+        let mut engine = open_engine(&db_path).map_err(|e| engine_open_error(&db_path, e))?;
         let floor_ms = match check_format(engine.as_mut()) {
             Ok(Ok(floor)) => floor,
             Ok(Err(FormatProblem::Unknown(found))) => {
@@ -229,8 +314,11 @@ impl EmbeddedStore {
             Err(e) => return Err(engine_open_error(&db_path, e)),
         };
         let reopen_path = db_path.clone();
-        let opener: EngineOpener = Box::new(move || open_redb(&reopen_path));
-        let description = format!("embedded:{} (redb, fsync per group commit)", dir.display());
+        let opener: EngineOpener = Box::new(move || open_engine(&reopen_path));
+        let description = format!(
+            "embedded:{} (redb + write-ahead log, one fdatasync per group commit)",
+            dir.display()
+        );
         Ok(Self::start(
             engine,
             opener,
@@ -364,7 +452,10 @@ fn sweeper(
         }
         loop {
             let (reply, rx) = oneshot::channel();
-            if tx.blocking_send(Request::Sweep { batch_max, reply }).is_err() {
+            if tx
+                .blocking_send(Request::Sweep { batch_max, reply })
+                .is_err()
+            {
                 return;
             }
             match rx.blocking_recv() {

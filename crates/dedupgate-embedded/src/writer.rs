@@ -22,6 +22,8 @@ use crate::engine::{Engine, EngineError, EngineOpener, Txn};
 
 /// Meta key of the latest instant any commit decided on (unix ms).
 pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
+/// Meta key of the number of entries stored (kept by the writer: engines count slowly).
+pub(crate) const META_HELD: &str = "entries_held";
 /// Meta key of the store's format version.
 pub(crate) const META_FORMAT: &str = "format_version";
 
@@ -246,7 +248,9 @@ impl Writer {
         });
         match result {
             Ok(()) => {
-                self.shared.swept_total.fetch_add(removed, Ordering::Relaxed);
+                self.shared
+                    .swept_total
+                    .fetch_add(removed, Ordering::Relaxed);
                 Ok(removed)
             }
             Err(e) => {
@@ -260,7 +264,7 @@ impl Writer {
         let mut held = 0;
         let engine = self.engine.as_mut().expect("checked by the caller");
         let result = engine.write(&mut |txn: &mut dyn Txn| {
-            held = txn.count()?;
+            held = txn.meta_get(META_HELD)?.unwrap_or(0);
             Ok(false)
         });
         match result {
@@ -410,10 +414,14 @@ fn decide_all(
         answers.push(decision.answer);
     }
     let mut any = false;
+    let mut added = 0u64;
     let mut key_buf = Vec::with_capacity(80);
     for (id, slot) in &slots {
         if !slot.dirty {
             continue;
+        }
+        if slot.stored_expires_at_ms.is_none() {
+            added += 1;
         }
         let entry = slot.current.as_ref().expect("a dirty slot holds an entry");
         encode_entry(entry, &mut val_buf);
@@ -433,6 +441,10 @@ fn decide_all(
         let prev = txn.meta_get(META_CLOCK_MS)?.unwrap_or(0);
         if now_ms > prev {
             txn.meta_put(META_CLOCK_MS, now_ms)?;
+        }
+        if added > 0 {
+            let held = txn.meta_get(META_HELD)?.unwrap_or(0);
+            txn.meta_put(META_HELD, held + added)?;
         }
     }
     Ok(any)
@@ -466,6 +478,10 @@ fn sweep_in(
         }
         txn.index_remove(key)?;
     }
+    if *removed > 0 {
+        let held = txn.meta_get(META_HELD)?.unwrap_or(0);
+        txn.meta_put(META_HELD, held.saturating_sub(*removed))?;
+    }
     Ok(!keys.is_empty())
 }
 
@@ -486,7 +502,9 @@ impl std::fmt::Display for FormatProblem {
                 "the store has format version {v}; this build reads version {} only",
                 crate::FORMAT_VERSION
             ),
-            FormatProblem::Missing => f.write_str("entries exist but the store has no format version"),
+            FormatProblem::Missing => {
+                f.write_str("entries exist but the store has no format version")
+            }
         }
     }
 }
@@ -497,7 +515,7 @@ pub(crate) fn check_format(
 ) -> Result<Result<u64, FormatProblem>, EngineError> {
     let mut outcome = Ok(0);
     engine.write(&mut |txn: &mut dyn Txn| match txn.meta_get(META_FORMAT)? {
-        None if txn.count()? > 0 => {
+        None if !txn.is_empty()? => {
             outcome = Err(FormatProblem::Missing);
             Ok(false)
         }

@@ -128,9 +128,17 @@ fn sigkill_at_random_moments_loses_no_acknowledged_key() {
     let mut kills_after_ready = 0;
     for iter in 0..iters {
         let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child_entry", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "crash_child_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("DG_CRASH_DIR", &dir)
-            .env("DG_CRASH_SEED", (seed.wrapping_add(iter as u64)).to_string())
+            .env(
+                "DG_CRASH_SEED",
+                (seed.wrapping_add(iter as u64)).to_string(),
+            )
             .env("DG_CRASH_PREFIX", format!("i{iter}"))
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

@@ -9,11 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dedupgate_core::{
-    Claim, GateError, Mark, ManualClock, Op, Outcome, Record, RecordId, State, Store,
-    StoreError, Token,
+    Claim, GateError, ManualClock, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError,
+    Token,
 };
-use dedupgate_embedded::engine::{ENTRIES_TABLE, META_TABLE};
-use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore, OpenError, DB_FILE_NAME};
+use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore, OpenError, ENGINE_DIR_NAME};
 use serde_json::json;
 
 const DAY_MS: u64 = 86_400_000;
@@ -46,15 +45,45 @@ async fn get(store: &dyn Store, key: &str) -> Result<Option<Record>, GateError> 
     }
 }
 
-/// Every file under `dir` with its bytes, to prove an open changed nothing.
-fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            out.insert(e.path(), std::fs::read(e.path()).unwrap_or_default());
+/// Every file and directory under `dir` with a hash of its bytes, to prove an open changed nothing.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (usize, u64)> {
+    fn digest(bytes: Vec<u8>) -> (usize, u64) {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        bytes.hash(&mut h);
+        (bytes.len(), h.finish())
+    }
+    fn walk(dir: &Path, out: &mut BTreeMap<PathBuf, (usize, u64)>) {
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.flatten() {
+                let path = e.path();
+                if path.is_dir() {
+                    out.insert(path.clone(), (0, 0));
+                    walk(&path, out);
+                } else {
+                    out.insert(
+                        path.clone(),
+                        digest(std::fs::read(&path).unwrap_or_default()),
+                    );
+                }
+            }
         }
     }
+    let mut out = BTreeMap::new();
+    walk(dir, &mut out);
     out
+}
+
+/// Writes into the store's engine files directly (the store closed and its log checkpointed),
+/// as a bug or a disk fault would.
+fn raw_put(dir: &Path, table: &str, key: &[u8], value: &[u8]) {
+    let db = redb::Database::open(dir.join(ENGINE_DIR_NAME).join("data.redb")).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let def: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new(table);
+        txn.open_table(def).unwrap().insert(key, value).unwrap();
+    }
+    txn.commit().unwrap();
 }
 
 fn open(dir: &Path) -> Result<EmbeddedStore, OpenError> {
@@ -117,7 +146,11 @@ async fn reopen_after_close_keeps_every_record() {
     }
     let store = open(&dir).unwrap();
     for (key, record) in &expected {
-        assert_eq!(get(&store, key).await.unwrap().as_ref(), Some(record), "{key}");
+        assert_eq!(
+            get(&store, key).await.unwrap().as_ref(),
+            Some(record),
+            "{key}"
+        );
     }
     for (key, fence) in released {
         assert_eq!(get(&store, &key).await.unwrap(), None);
@@ -200,7 +233,7 @@ fn a_missing_directory_is_created_only_when_its_parent_exists() {
 
     let fresh = tmp.path().join("fresh");
     drop(open(&fresh).unwrap());
-    assert!(fresh.join(DB_FILE_NAME).exists());
+    assert!(fresh.join(ENGINE_DIR_NAME).exists());
 }
 
 #[test]
@@ -214,25 +247,42 @@ fn a_file_where_the_directory_should_be_is_refused() {
 }
 
 #[test]
-fn a_corrupt_engine_file_is_refused_and_left_untouched() {
+fn corrupt_engine_files_are_refused_and_left_untouched() {
     let tmp = tempfile::tempdir().unwrap();
-    let cases: Vec<Vec<u8>> = vec![
-        b"garbage".to_vec(),
-        (0..100_000u32).map(|i| (i * 7919 % 251) as u8).collect(),
-        vec![0; 4096],
+    let garbage: Vec<u8> = (0..10_000u32).map(|i| (i * 7919 % 251) as u8).collect();
+    // A log record whose checksum is right but whose body is not a log record.
+    let mut bad_record = Vec::new();
+    let body = b"\x09\x09not a record";
+    bad_record.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    bad_record.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
+    bad_record.extend_from_slice(body);
+    let cases: [(&str, &str, &[u8]); 3] = [
+        (
+            "a file where the engine's directory should be",
+            "",
+            &garbage,
+        ),
+        ("a garbled database file", "data.redb", &garbage),
+        ("a malformed log record", "wal", &bad_record),
     ];
-    for (n, bytes) in cases.into_iter().enumerate() {
+    for (n, (what, file, bytes)) in cases.into_iter().enumerate() {
         let dir = tmp.path().join(format!("c{n}"));
-        std::fs::create_dir(&dir).unwrap();
-        std::fs::write(dir.join(DB_FILE_NAME), &bytes).unwrap();
+        if file.is_empty() {
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join(ENGINE_DIR_NAME), bytes).unwrap();
+        } else {
+            drop(open(&dir).unwrap());
+            std::fs::write(dir.join(ENGINE_DIR_NAME).join(file), bytes).unwrap();
+        }
         let before = snapshot(&dir);
-        let err = open(&dir).expect_err("a corrupt file must not open");
-        eprintln!("case {n}: {err}");
-        assert!(
-            matches!(err, OpenError::Corrupt { .. }),
-            "{err}"
+        let err = open(&dir).expect_err(what);
+        eprintln!("{what}: {err}");
+        assert!(matches!(err, OpenError::Corrupt { .. }), "{what}: {err}");
+        assert_eq!(
+            snapshot(&dir),
+            before,
+            "{what}: the open changed the directory"
         );
-        assert_eq!(snapshot(&dir), before, "case {n}: the open changed the directory");
     }
 }
 
@@ -240,18 +290,13 @@ fn a_corrupt_engine_file_is_refused_and_left_untouched() {
 fn an_unknown_format_version_is_refused_with_a_clear_message() {
     let tmp = tempfile::tempdir().unwrap();
     drop(open(tmp.path()).unwrap());
-    {
-        let db = redb::Database::open(tmp.path().join(DB_FILE_NAME)).unwrap();
-        let txn = db.begin_write().unwrap();
-        txn.open_table(META_TABLE)
-            .unwrap()
-            .insert("format_version", 99)
-            .unwrap();
-        txn.commit().unwrap();
-    }
+    std::fs::write(tmp.path().join(ENGINE_DIR_NAME).join("FORMAT"), "99\n").unwrap();
     let before = snapshot(tmp.path());
     let err = open(tmp.path()).unwrap_err();
-    assert!(matches!(err, OpenError::UnknownFormat { found: 99, .. }), "{err}");
+    assert!(
+        matches!(err, OpenError::UnknownFormat { found: 99, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("format version 99"));
     assert_eq!(snapshot(tmp.path()), before);
 }
@@ -264,16 +309,8 @@ async fn a_corrupt_entry_is_an_error_never_absent() {
         store.apply(id("good"), mark_op(json!(1))).await.unwrap();
         store.apply(id("bad"), mark_op(json!(2))).await.unwrap();
     }
-    {
-        let db = redb::Database::open(tmp.path().join(DB_FILE_NAME)).unwrap();
-        let txn = db.begin_write().unwrap();
-        {
-            let mut t = txn.open_table(ENTRIES_TABLE).unwrap();
-            // The id encoding: namespace length, namespace, key.
-            t.insert(&b"\x04testbad"[..], &b"\x01\x07junk"[..]).unwrap();
-        }
-        txn.commit().unwrap();
-    }
+    // The id encoding: namespace length, namespace, key.
+    raw_put(tmp.path(), "entries", b"\x04testbad", b"\x01\x07junk");
     let store = open(tmp.path()).unwrap();
     for op in [Op::Get, claim_op(), mark_op(json!(3)), Op::Forget] {
         let r = store.apply(id("bad"), op).await;
@@ -286,7 +323,10 @@ async fn a_corrupt_entry_is_an_error_never_absent() {
     let answers = store
         .apply_batch(vec![(id("bad"), Op::Get), (id("good"), Op::Get)])
         .await;
-    assert!(matches!(answers[0], Err(GateError::Store(StoreError::Corrupt(_)))));
+    assert!(matches!(
+        answers[0],
+        Err(GateError::Store(StoreError::Corrupt(_)))
+    ));
     assert!(matches!(&answers[1], Ok(Outcome::Found(Some(r))) if r.state == State::Completed));
     store.health().await.unwrap();
 }
@@ -300,13 +340,21 @@ async fn batches_see_earlier_ops_and_share_one_commit() {
         .apply_batch(vec![
             (id("b"), claim_op()),
             (id("b"), claim_op()),
-            (id("b"), Op::Release { token: Token::new("nope") }),
+            (
+                id("b"),
+                Op::Release {
+                    token: Token::new("nope"),
+                },
+            ),
             (id("m"), mark_op(json!("r"))),
             (id("m"), Op::Get),
         ])
         .await;
     assert!(matches!(answers[0], Ok(Outcome::Claimed(Claim::New(_)))));
-    assert!(matches!(answers[1], Ok(Outcome::Claimed(Claim::Duplicate { .. }))));
+    assert!(matches!(
+        answers[1],
+        Ok(Outcome::Claimed(Claim::Duplicate { .. }))
+    ));
     assert!(matches!(answers[2], Err(GateError::LeaseLost)));
     assert!(matches!(answers[3], Ok(Outcome::Marked(Mark::New { .. }))));
     assert!(matches!(&answers[4], Ok(Outcome::Found(Some(r))) if r.result == Some(json!("r"))));
@@ -420,7 +468,9 @@ fn a_full_disk_refuses_a_new_store_and_leaves_nothing_behind() {
 
 #[tokio::test]
 async fn a_read_only_file_system_is_refused_and_unchanged() {
-    let Some(fs) = Tmpfs::mount("16m") else { return };
+    let Some(fs) = Tmpfs::mount("16m") else {
+        return;
+    };
     let dir = fs.path.join("store");
     {
         let store = open(&dir).unwrap();
@@ -440,7 +490,9 @@ async fn a_read_only_file_system_is_refused_and_unchanged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
-    let Some(fs) = Tmpfs::mount("24m") else { return };
+    let Some(fs) = Tmpfs::mount("24m") else {
+        return;
+    };
     let dir = fs.path.join("store");
     let store = Arc::new(open(&dir).unwrap());
     let mut acked: Vec<(String, Record)> = Vec::new();
@@ -474,7 +526,9 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     // While the disk stays full, nothing is acknowledged: every write answers unavailable
     // (the reopened engine cannot commit either, and fails closed again).
     for i in 0..20 {
-        let r = store.apply(id(&format!("g{i}")), mark_op(big.clone())).await;
+        let r = store
+            .apply(id(&format!("g{i}")), mark_op(big.clone()))
+            .await;
         assert!(
             matches!(r, Err(GateError::Store(StoreError::Unavailable(_)))),
             "a write on a full disk answered {r:?}"
@@ -484,8 +538,7 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     std::fs::remove_file(filler).unwrap();
     let mut resumed = false;
     for _ in 0..300 {
-        if store.health().await.is_ok()
-            && store.apply(id("after"), mark_op(json!(1))).await.is_ok()
+        if store.health().await.is_ok() && store.apply(id("after"), mark_op(json!(1))).await.is_ok()
         {
             resumed = true;
             break;
@@ -496,7 +549,11 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     drop(store);
     let store = open(&dir).unwrap();
     for (key, record) in &acked {
-        assert_eq!(get(&store, key).await.unwrap().as_ref(), Some(record), "{key}");
+        assert_eq!(
+            get(&store, key).await.unwrap().as_ref(),
+            Some(record),
+            "{key}"
+        );
     }
     assert!(get(&store, "after").await.unwrap().is_some());
 }
