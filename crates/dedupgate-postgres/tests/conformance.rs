@@ -28,7 +28,7 @@ impl Harness for PgHarness {
 async fn postgres_store_passes_the_conformance_suite() {
     let url = common::url();
     let schema = common::fresh_schema("conformance");
-    let store = common::open(&url, &schema, 8).await;
+    let store = common::open(&url, &schema, 16).await;
     common::with_schema_dropped(&url, &schema, async move {
         let harness = PgHarness {
             store: Arc::new(store),

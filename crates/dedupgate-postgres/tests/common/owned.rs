@@ -171,6 +171,23 @@ impl OwnedPg {
         .is_ok()
     }
 
+    /// True while any process of this cluster lives (the postmaster or a backend it left behind):
+    /// every one of them runs with the data directory as its working directory.
+    pub fn any_process_alive(&self) -> bool {
+        let data = std::fs::canonicalize(self.data()).unwrap_or_else(|_| self.data());
+        std::fs::read_dir("/proc")
+            .map(|entries| {
+                entries.flatten().any(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .bytes()
+                        .all(|b| b.is_ascii_digit())
+                        && std::fs::read_link(e.path().join("cwd")).is_ok_and(|cwd| cwd == data)
+                })
+            })
+            .unwrap_or(false)
+    }
+
     /// Starts the server again on the same data directory and port (crash recovery runs).
     pub fn restart(&self) {
         self.pg_ctl_start();
