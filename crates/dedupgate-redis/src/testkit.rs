@@ -115,6 +115,11 @@ impl RedisServer {
         self.port
     }
 
+    /// The server's process id while it runs (to stop it with SIGSTOP, say).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Its data directory.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -21,6 +21,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use dedupgate_core::{
@@ -36,6 +37,10 @@ pub const CACHE_NAMESPACE: &str = "dedupgate.tiered";
 /// A cached record closer than this to its expiry (on the tier's clock) is not trusted: the
 /// fast and durable stores' clocks may differ by up to this much.
 pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 1_000;
+
+/// How long a cache lookup or fill may take before the tier goes on without it: a slow fast
+/// store must not make the gate slower than its durable store.
+pub const DEFAULT_FAST_TIMEOUT_MS: u64 = 100;
 
 /// Figures of the fast tier since the store opened.
 #[derive(Debug, Default)]
@@ -54,6 +59,7 @@ pub struct TieredStore {
     durable: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     expiry_margin_ms: u64,
+    fast_timeout: Duration,
     counters: TierCounters,
 }
 
@@ -87,7 +93,30 @@ impl TieredStore {
             durable,
             clock,
             expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+            fast_timeout: Duration::from_millis(DEFAULT_FAST_TIMEOUT_MS),
             counters: TierCounters::default(),
+        }
+    }
+
+    /// Sets how long a cache lookup or fill may take (default 100 ms). Cache invalidation by
+    /// `forget` is never cut short.
+    pub fn with_fast_timeout_ms(mut self, timeout_ms: u64) -> Self {
+        self.fast_timeout = Duration::from_millis(timeout_ms);
+        self
+    }
+
+    /// The fast store's answers to `ops`, or failures when it takes longer than allowed.
+    async fn fast_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        let n = ops.len();
+        match tokio::time::timeout(self.fast_timeout, self.fast.apply_batch(ops)).await {
+            Ok(answers) => answers,
+            Err(_) => (0..n)
+                .map(|_| {
+                    Err(GateError::Store(StoreError::Unavailable(
+                        "the fast store timed out".to_owned(),
+                    )))
+                })
+                .collect(),
         }
     }
 
@@ -197,7 +226,7 @@ impl TieredStore {
                 .iter()
                 .map(|&i| (Self::cache_id(&ops[i].0), Op::Get))
                 .collect();
-            let found = self.fast.apply_batch(gets).await;
+            let found = self.fast_batch(gets).await;
             for (&i, answer) in lookups.iter().zip(found) {
                 let hit = self
                     .cached_record(&ops[i].0, answer)
@@ -268,7 +297,7 @@ impl TieredStore {
             answers[i] = Some(answer);
         }
         if !fills.is_empty() {
-            for r in self.fast.apply_batch(fills).await {
+            for r in self.fast_batch(fills).await {
                 if let Err(e) = r {
                     self.fast_failed("mark", &e);
                 }

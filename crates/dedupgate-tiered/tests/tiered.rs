@@ -230,3 +230,43 @@ async fn a_cached_answer_equals_the_durable_answer() {
         Ok(Outcome::Marked(dedupgate_core::Mark::New { .. }))
     ));
 }
+
+/// A fast store that stops answering (SIGSTOP) is skipped: every answer still comes, from the
+/// durable store, and is right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_fast_store_is_skipped() {
+    let fast_server = tokio::task::spawn_blocking(|| RedisServer::start(&[]))
+        .await
+        .unwrap()
+        .expect("start the fast redis-server");
+    let fast = RedisStore::open(&fast_server.url()).await.unwrap();
+    let durable = Arc::new(MemoryStore::new());
+    let tier = TieredStore::new(Arc::new(fast), durable).with_fast_timeout_ms(50);
+    let id = |k: &str| RecordId::new("stall", k).unwrap();
+    let mark = Op::Mark {
+        ttl_ms: 600_000,
+        fingerprint: None,
+        result: Some(serde_json::json!("done")),
+    };
+    tier.apply(id("a"), mark.clone()).await.unwrap();
+    let pid = fast_server.pid().expect("running").to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let dup = tier.apply(id("a"), mark.clone()).await;
+    let fresh = tier.apply(id("b"), mark.clone()).await;
+    let _ = std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status();
+    assert!(
+        matches!(&dup, Ok(Outcome::Marked(dedupgate_core::Mark::Duplicate { record })) if record.result == Some(serde_json::json!("done"))),
+        "{dup:?}"
+    );
+    assert!(
+        matches!(fresh, Ok(Outcome::Marked(dedupgate_core::Mark::New { .. }))),
+        "{fresh:?}"
+    );
+    assert!(tier.counters().fast_errors.load(Ordering::Relaxed) > 0);
+}
