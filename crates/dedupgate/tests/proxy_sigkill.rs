@@ -157,7 +157,7 @@ fn sigkill_mid_request_never_reruns_a_completed_request() {
         "after the restart only requests that had never run executed"
     );
     eprintln!(
-        "sigkill: 20 completed before; burst: {answered} answered, {cut} cut off after the \
+        "sigkill on {store}: 20 completed before; burst: {answered} answered, {cut} cut off after the \
          claim, {never_ran} cut off before it; {} upstream executions, none repeated",
         api.counts.total()
     );

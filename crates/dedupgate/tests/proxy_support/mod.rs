@@ -31,6 +31,11 @@ pub fn free_port() -> u16 {
 /// Starts `dedupgate proxy ARGS --listen 127.0.0.1:PORT` and waits until it accepts connections.
 /// Its stderr goes to `log`.
 pub fn start_proxy(port: u16, args: &[&str], log: &Path) -> Proc {
+    try_start_proxy(port, args, log).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Like [`start_proxy`], but an early exit is an `Err` carrying the log.
+pub fn try_start_proxy(port: u16, args: &[&str], log: &Path) -> Result<Proc, String> {
     let err = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -49,19 +54,20 @@ pub fn start_proxy(port: u16, args: &[&str], log: &Path) -> Proc {
     let end = Instant::now() + Duration::from_secs(30);
     loop {
         if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return proc;
+            return Ok(proc);
         }
         if let Ok(Some(status)) = proc.0.try_wait() {
-            panic!(
+            return Err(format!(
                 "dedupgate proxy exited with {status}: {}",
                 std::fs::read_to_string(log).unwrap_or_default()
-            );
+            ));
         }
-        assert!(
-            Instant::now() < end,
-            "dedupgate proxy did not start: {}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
+        if Instant::now() > end {
+            return Err(format!(
+                "dedupgate proxy did not start: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            ));
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
