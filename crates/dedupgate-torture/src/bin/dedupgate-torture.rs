@@ -69,6 +69,18 @@ enum Cmd {
         /// Print the whole report as JSON.
         #[arg(long)]
         json: bool,
+        /// Append the report (one JSON line) to this file, for `summarize`.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Delete the run directory afterwards when every check passed.
+        #[arg(long)]
+        clean: bool,
+    },
+    /// Sums the reports appended by `run --report FILE` and `lin --report FILE`, per store and
+    /// face.
+    Summarize {
+        /// The report file.
+        file: PathBuf,
     },
     /// A concurrent history on STORE, checked for linearizability.
     Lin {
@@ -94,6 +106,9 @@ enum Cmd {
         /// Seed (default: random, printed).
         #[arg(long)]
         seed: Option<u64>,
+        /// Append a summary (one JSON line) to this file, for `summarize`.
+        #[arg(long)]
+        report: Option<PathBuf>,
     },
     /// One worker process (started by `run`).
     Worker {
@@ -164,6 +179,8 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             seed,
             no_lin,
             json,
+            report: report_file,
+            clean,
         } => {
             let seed = pick_seed(seed, "torture run");
             let dir = dir.unwrap_or_else(|| {
@@ -192,6 +209,12 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             }
+            if let Some(f) = report_file {
+                append_line(&f, &serde_json::json!({"kind": "run", "report": report}))?;
+            }
+            if clean && report.ok() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
             println!("{}", report.summary());
             for v in report
                 .oracle
@@ -218,6 +241,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             skew_ms,
             clock_may_lag,
             seed,
+            report: report_file,
         } => {
             let seed = pick_seed(seed, "lin");
             let opened = faces::open(&store).await?;
@@ -248,11 +272,23 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             println!(
                 "lin {store}: seed {seed}: {histories} histories, {keys} keys, {all_ops} ops ({unknown} unknown), {bad} histories with violations, {inconclusive} keys inconclusive"
             );
+            if let Some(f) = report_file {
+                append_line(
+                    &f,
+                    &serde_json::json!({"kind": "lin", "store": store, "seed": seed,
+                        "histories": histories, "keys": keys, "ops": all_ops, "unknown": unknown,
+                        "violating_histories": bad, "inconclusive_keys": inconclusive}),
+                )?;
+            }
             Ok(if bad == 0 {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)
             })
+        }
+        Cmd::Summarize { file } => {
+            println!("{}", summarize(&std::fs::read_to_string(file)?));
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Worker { store, dir, plan } => {
             let plan: WorkerPlan = serde_json::from_slice(&std::fs::read(&plan)?)?;
@@ -273,4 +309,107 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn append_line(path: &std::path::Path, v: &serde_json::Value) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    writeln!(f, "{v}")
+}
+
+/// Sums run and lin reports per (store kind, face).
+fn summarize(text: &str) -> String {
+    use std::collections::BTreeMap;
+    let kind_of = |store: &str| store.split([':', '/']).next().unwrap_or(store).to_owned();
+    let mut runs: BTreeMap<String, BTreeMap<&'static str, u64>> = BTreeMap::new();
+    let mut lins: BTreeMap<String, BTreeMap<&'static str, u64>> = BTreeMap::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let n = |p: &str| v.pointer(p).and_then(|x| x.as_u64()).unwrap_or(0);
+        let len = |p: &str| {
+            v.pointer(p)
+                .and_then(|x| x.as_array())
+                .map_or(0, |a| a.len() as u64)
+        };
+        match v.get("kind").and_then(|k| k.as_str()) {
+            Some("run") => {
+                let store = v
+                    .pointer("/report/config/store")
+                    .and_then(|s| s.as_str())
+                    .unwrap_or("?");
+                let face = v
+                    .pointer("/report/config/face")
+                    .and_then(|s| s.as_str())
+                    .unwrap_or("?");
+                let e = runs
+                    .entry(format!("{} over {face}", kind_of(store)))
+                    .or_default();
+                for (name, value) in [
+                    ("runs", 1),
+                    ("cycles", n("/report/faults/cycles")),
+                    ("worker_sigkills", n("/report/faults/worker_sigkills")),
+                    ("gate_sigkills", n("/report/faults/gate_sigkills")),
+                    ("sigstops", n("/report/faults/sigstops")),
+                    ("sigconts", n("/report/faults/sigconts")),
+                    ("takeovers", n("/report/faults/takeovers")),
+                    ("events", n("/report/oracle/events_checked")),
+                    ("answers", n("/report/oracle/answers_read")),
+                    ("unknown_answers", n("/report/oracle/answers_unknown")),
+                    ("effects", n("/report/oracle/effects_accepted")),
+                    (
+                        "late_writes_rejected",
+                        n("/report/oracle/late_writes_rejected"),
+                    ),
+                    (
+                        "stale_completions_refused",
+                        n("/report/oracle/stale_completions_refused"),
+                    ),
+                    ("reexecutions", n("/report/oracle/reexecutions")),
+                    (
+                        "effects_without_completion_answer",
+                        n("/report/oracle/effects_without_completion_answer"),
+                    ),
+                    ("duplicates", len("/report/oracle/duplicates")),
+                    ("lost", len("/report/oracle/lost")),
+                    ("fence_violations", len("/report/oracle/fence_violations")),
+                    ("replay_mismatches", len("/report/oracle/replay_mismatches")),
+                    ("lin_keys", n("/report/lin_keys")),
+                    ("lin_ops", n("/report/lin_ops")),
+                    ("lin_violations", len("/report/lin_violations")),
+                    ("lin_inconclusive", n("/report/lin_inconclusive")),
+                ] {
+                    *e.entry(name).or_default() += value;
+                }
+            }
+            Some("lin") => {
+                let store = v.get("store").and_then(|s| s.as_str()).unwrap_or("?");
+                let e = lins.entry(kind_of(store)).or_default();
+                for name in [
+                    "histories",
+                    "keys",
+                    "ops",
+                    "unknown",
+                    "violating_histories",
+                    "inconclusive_keys",
+                ] {
+                    *e.entry(name).or_default() += n(&format!("/{name}"));
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = String::new();
+    for (k, m) in runs.iter().chain(lins.iter()) {
+        out.push_str(&format!("{k}:"));
+        for (name, value) in m {
+            out.push_str(&format!(" {name}={value}"));
+        }
+        out.push('\n');
+    }
+    out
 }

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Soak tier of the torture harness (issue 7): crash cycles on every store and face, checked
+# linearizability histories on every store, then the fuzz targets; prints the summed figures
+# that docs/reliability.md publishes.
+#
+#   scripts/torture.sh --minutes 60 [--fuzz-seconds 3600] [--out DIR] [--cycles-per-run 100]
+#
+# Needs the local Redis (127.0.0.1:6379) and PostgreSQL (127.0.0.1:5432, user postgres, db test)
+# the tests use (DEDUPGATE_TEST_REDIS_URL / DEDUPGATE_TEST_POSTGRES_URL override them). The fuzz
+# step needs a nightly toolchain and cargo-fuzz; it is skipped, and says so, without them.
+# Every run prints its seed; a failing run keeps its directory under OUT and exits non-zero.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+minutes=10
+fuzz_seconds=60
+cycles=100
+out="${TMPDIR:-/tmp}/dedupgate-soak-$(date -u +%Y%m%dT%H%M%SZ)"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --minutes) minutes="$2"; shift 2 ;;
+    --fuzz-seconds) fuzz_seconds="$2"; shift 2 ;;
+    --cycles-per-run) cycles="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+redis="${DEDUPGATE_TEST_REDIS_URL:-redis://127.0.0.1:6379}"
+pg="${DEDUPGATE_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}"
+mkdir -p "$out"
+report="$out/reports.jsonl"
+
+cargo build -q -p dedupgate-torture
+bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/dedupgate-torture"
+
+failed=0
+run() { # label, args...
+  local label="$1"; shift
+  echo "=== $label"
+  if ! "$bin" "$@" --report "$report"; then
+    echo "!!! $label FAILED (files kept under $out)"; failed=1
+  fi
+}
+
+deadline=$(( $(date +%s) + minutes * 60 ))
+n=0
+while [ "$(date +%s)" -lt "$deadline" ]; do
+  n=$((n + 1))
+  run "memory over http #$n" run --store memory: --face http --cycles "$cycles" \
+    --dir "$out/mem-$n" --clean
+  run "embedded over http, gate SIGKILLs #$n" run --store "embedded:$out/emb-$n/data" --face http \
+    --cycles "$cycles" --kill-gate-pct 30 --dir "$out/emb-$n/run" --clean
+  [ -d "$out/emb-$n/run" ] || rm -rf "$out/emb-$n"
+  run "redis over library #$n" run --store "$redis" --face library --cycles "$cycles" \
+    --dir "$out/redis-$n" --clean
+  run "postgres over library #$n" run --store "$pg" --face library --cycles "$cycles" \
+    --dir "$out/pg-$n" --clean
+  run "lin memory #$n" lin --store memory: --histories 10
+  run "lin embedded #$n" lin --store "embedded:$out/lin-emb-$n" --histories 10
+  rm -rf "$out/lin-emb-$n"
+  run "lin redis #$n" lin --store "$redis" --histories 10
+  run "lin postgres #$n" lin --store "$pg" --histories 10 --clock-may-lag
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  "$bin" gate --store memory: --listen "127.0.0.1:$port" >"$out/lin-gate.log" 2>&1 &
+  gate=$!
+  for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
+  run "lin http #$n" lin --store "http://127.0.0.1:$port" --histories 10
+  kill "$gate"; wait "$gate" 2>/dev/null || true
+done
+
+echo "=== fuzz ($fuzz_seconds s per target)"
+if cargo +nightly --version >/dev/null 2>&1 && cargo fuzz --version >/dev/null 2>&1; then
+  for t in http_body key_template id_canonical embedded_record; do
+    (cd fuzz && cargo +nightly fuzz run "$t" -O -- -max_total_time="$fuzz_seconds" 2>&1 \
+      | grep -E "^Done|ERROR|SUMMARY" | sed "s/^/fuzz $t: /") || failed=1
+    ls fuzz/artifacts/"$t"/ 2>/dev/null | grep -q . && { echo "!!! fuzz $t left a crash in fuzz/artifacts/$t"; failed=1; }
+  done
+else
+  echo "fuzz: skipped (needs a nightly toolchain and cargo-fuzz: cargo install cargo-fuzz)"
+fi
+
+echo "=== summary ($n rounds, reports in $report)"
+"$bin" summarize "$report"
+exit "$failed"
