@@ -213,8 +213,9 @@ impl AppState {
         body: Result<Bytes, BytesRejection>,
     ) -> Result<Vec<u8>, Problem> {
         #[derive(Deserialize)]
-        struct BatchReq {
-            ops: Vec<serde_json::Value>,
+        struct BatchReq<'a> {
+            #[serde(borrow)]
+            ops: Vec<&'a serde_json::value::RawValue>,
         }
         let principal = self.auth.authenticate(self.authorization(headers))?;
         let body = body.map_err(body_problem)?;
