@@ -287,3 +287,47 @@ pub fn read_answer_logs(run_dir: &Path) -> io::Result<Vec<Event>> {
     }
     Ok(events)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sink_refuses_a_lower_fence_and_logs_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let sink = Sink::open(dir.path()).unwrap();
+        assert!(sink.write("ns", "k", 20, "b#1", "b", Some(5)).unwrap());
+        assert!(!sink.write("ns", "k", 10, "a#1", "a", Some(3)).unwrap());
+        // Another key has its own fence; a new sink (another process) sees the stored one.
+        assert!(sink.write("ns", "other", 1, "c#1", "c", None).unwrap());
+        let again = Sink::open(dir.path()).unwrap();
+        assert!(!again.write("ns", "k", 19, "d#1", "d", None).unwrap());
+        let ledger = read_ledger(dir.path()).unwrap();
+        let accepted: Vec<bool> = ledger.iter().map(|e| e.accepted).collect();
+        assert_eq!(accepted, [true, false, true, false]);
+        assert_eq!(ledger[1].fence_before, 20);
+    }
+
+    #[test]
+    fn a_call_without_its_answer_is_unknown_and_a_torn_line_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = AnswerLog::create(dir.path(), "w1").unwrap();
+        let s1 = log.call("ns", "k", &HOp::Get, 1).unwrap();
+        log.ret(s1, &HAnswer::Found { record: None }, Some(2))
+            .unwrap();
+        log.call("ns", "k", &HOp::Get, 3).unwrap();
+        drop(log);
+        // A kill inside a write leaves half a line at the end.
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(dir.path().join("answers-w1.jsonl"))
+            .unwrap();
+        f.write_all(b"{\"t\":\"ret\",\"seq\":2,\"ans").unwrap();
+        let events = read_answer_logs(dir.path()).unwrap();
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].answer, HAnswer::Found { record: None });
+        assert!(events[1].answer.is_unknown());
+        assert_eq!(events[1].return_ns, None);
+        assert_eq!(events[1].client, "w1");
+    }
+}

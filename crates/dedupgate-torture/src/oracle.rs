@@ -389,3 +389,249 @@ pub fn check(
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dedupgate_core::{Key, Lease, Namespace, Record, Token};
+    use serde_json::json;
+
+    const NS: &str = "ns";
+
+    fn delivery(mode: DeliveryMode) -> BTreeSet<Delivery> {
+        [Delivery {
+            mode,
+            namespace: NS.into(),
+            key: "k".into(),
+        }]
+        .into()
+    }
+
+    fn effect(attempt: &str, fence: u64, at_ms: u64, lease_end: Option<u64>) -> Effect {
+        Effect {
+            namespace: NS.into(),
+            key: "k".into(),
+            fence,
+            attempt: attempt.into(),
+            worker: "w".into(),
+            effect_ns: at_ms * 1_000_000,
+            lease_expires_at_ms: lease_end,
+            accepted: true,
+            fence_before: 0,
+        }
+    }
+
+    fn ev(op: HOp, at_ms: u64, answer: HAnswer) -> Event {
+        Event {
+            client: "w".into(),
+            namespace: NS.into(),
+            key: "k".into(),
+            op,
+            call_ns: at_ms * 1_000_000,
+            return_ns: (!answer.is_unknown()).then_some(at_ms * 1_000_000 + 1),
+            answer,
+        }
+    }
+
+    fn claim(attempt: &str, at_ms: u64, fence: u64) -> Event {
+        ev(
+            HOp::Claim {
+                ttl_ms: 100_000,
+                lease_ms: 100,
+                fingerprint: None,
+                owner: Some(attempt.into()),
+            },
+            at_ms,
+            HAnswer::Claimed {
+                claim: Claim::New(Lease {
+                    token: Token::new(format!("tok-{attempt}")),
+                    fence,
+                    lease_expires_at_ms: at_ms + 100,
+                    expires_at_ms: at_ms + 100_000,
+                }),
+            },
+        )
+    }
+
+    fn completed(attempt: &str, fence: u64) -> Record {
+        Record {
+            namespace: Namespace::new(NS).unwrap(),
+            key: Key::new("k").unwrap(),
+            state: State::Completed,
+            fence,
+            fingerprint: None,
+            owner: Some(attempt.into()),
+            created_at_ms: 0,
+            expires_at_ms: 100_000,
+            lease_expires_at_ms: None,
+            completed_at_ms: Some(1),
+            result: Some(json!({ "attempt": attempt })),
+        }
+    }
+
+    fn complete(attempt: &str, at_ms: u64, answer: HAnswer) -> Event {
+        ev(
+            HOp::Complete {
+                token: format!("tok-{attempt}"),
+                result: Some(json!({ "attempt": attempt })),
+                ttl_ms: None,
+            },
+            at_ms,
+            answer,
+        )
+    }
+
+    fn final_read(record: Option<Record>) -> Event {
+        ev(HOp::Get, 10_000, HAnswer::Found { record })
+    }
+
+    #[test]
+    fn a_re_execution_after_a_crash_is_allowed_but_counted() {
+        // a claims and runs its effect, then dies before completing; b takes over after a's
+        // lease and completes.
+        let events = vec![
+            claim("a", 0, 1000),
+            claim("b", 200, 200_000),
+            complete(
+                "b",
+                210,
+                HAnswer::Completed {
+                    record: completed("b", 200_000),
+                },
+            ),
+            final_read(Some(completed("b", 200_000))),
+        ];
+        let effects = vec![
+            effect("a", 1000, 5, Some(100)),
+            effect("b", 200_000, 205, Some(300)),
+        ];
+        let r = check(&effects, &events, &delivery(DeliveryMode::Retriable));
+        assert!(r.ok(), "{r:?}");
+        assert_eq!(r.reexecutions, 1);
+        assert_eq!(r.effects_without_completion_answer, 1);
+    }
+
+    #[test]
+    fn an_effect_after_an_acknowledged_completion_is_a_duplicate() {
+        let events = vec![
+            claim("a", 0, 1000),
+            complete(
+                "a",
+                10,
+                HAnswer::Completed {
+                    record: completed("a", 1000),
+                },
+            ),
+            claim("b", 200, 200_000),
+            final_read(Some(completed("a", 1000))),
+        ];
+        let effects = vec![
+            effect("a", 1000, 5, Some(100)),
+            effect("b", 200_000, 205, Some(300)),
+        ];
+        let r = check(&effects, &events, &delivery(DeliveryMode::Retriable));
+        assert_eq!(r.duplicates.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn a_takeover_inside_a_live_lease_is_a_duplicate() {
+        let events = vec![
+            claim("a", 0, 1000),
+            claim("b", 50, 50_000),
+            complete(
+                "b",
+                60,
+                HAnswer::Completed {
+                    record: completed("b", 50_000),
+                },
+            ),
+            final_read(Some(completed("b", 50_000))),
+        ];
+        let effects = vec![
+            effect("a", 1000, 5, Some(100)),
+            effect("b", 50_000, 55, Some(150)),
+        ];
+        let r = check(&effects, &events, &delivery(DeliveryMode::Retriable));
+        assert_eq!(r.duplicates.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn two_effects_in_the_idempotent_ordering_are_duplicates() {
+        let effects = vec![effect("a", 1000, 5, None), effect("b", 2000, 6, None)];
+        let r = check(
+            &effects,
+            &[final_read(None)],
+            &delivery(DeliveryMode::Idempotent),
+        );
+        assert_eq!(r.duplicates.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn an_acknowledged_completion_that_vanished_is_lost() {
+        let events = vec![
+            claim("a", 0, 1000),
+            complete(
+                "a",
+                10,
+                HAnswer::Completed {
+                    record: completed("a", 1000),
+                },
+            ),
+            final_read(None),
+        ];
+        let effects = vec![effect("a", 1000, 5, Some(100))];
+        let r = check(&effects, &events, &delivery(DeliveryMode::Retriable));
+        assert_eq!(r.lost.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn a_replay_with_another_result_is_caught() {
+        let mut shown = completed("a", 1000);
+        shown.result = Some(json!({ "attempt": "someone else" }));
+        let events = vec![
+            claim("a", 0, 1000),
+            complete(
+                "a",
+                10,
+                HAnswer::Completed {
+                    record: completed("a", 1000),
+                },
+            ),
+            ev(
+                HOp::Claim {
+                    ttl_ms: 100_000,
+                    lease_ms: 100,
+                    fingerprint: None,
+                    owner: Some("c".into()),
+                },
+                20,
+                HAnswer::Claimed {
+                    claim: Claim::Duplicate { record: shown },
+                },
+            ),
+            final_read(Some(completed("a", 1000))),
+        ];
+        let effects = vec![effect("a", 1000, 5, Some(100))];
+        let r = check(&effects, &events, &delivery(DeliveryMode::Retriable));
+        assert_eq!(r.replay_mismatches.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn a_stale_completion_that_was_accepted_is_a_fence_violation() {
+        let events = vec![
+            claim("a", 0, 1000),
+            claim("b", 200, 200_000),
+            complete(
+                "a",
+                300,
+                HAnswer::Completed {
+                    record: completed("a", 1000),
+                },
+            ),
+            final_read(Some(completed("a", 1000))),
+        ];
+        let effects = vec![effect("a", 1000, 5, Some(100))];
+        let r = check(&effects, &events, &delivery(DeliveryMode::Retriable));
+        assert_eq!(r.fence_violations.len(), 1, "{r:?}");
+    }
+}
