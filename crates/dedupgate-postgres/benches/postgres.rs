@@ -217,27 +217,31 @@ fn main() {
 
         let mut rows = Vec::new();
         for &clients in &client_counts {
-            let store = Arc::new(
-                PgStore::connect(
-                    config.clone(),
-                    PgOptions {
-                        schema: schema.clone(),
-                        pool_size: clients,
-                        ..PgOptions::default()
-                    },
-                )
-                .await
-                .expect("open store"),
-            );
             // Interleaved rounds, medians reported: the machine is shared, and load that drifts
-            // during a run then falls on both sides instead of one.
+            // during a run then falls on both sides instead of one. The gate's pool is closed
+            // while pgbench runs, so both never hold connections at once.
             let (mut raw, mut single, mut batch) = (Vec::new(), Vec::new(), Vec::new());
             for round in 0..ROUNDS {
                 raw.push(tokio::task::block_in_place(|| {
                     run_pgbench(&config, &script, clients, secs)
                 }));
+                let store = Arc::new(
+                    PgStore::connect(
+                        config.clone(),
+                        PgOptions {
+                            schema: schema.clone(),
+                            pool_size: clients,
+                            ..PgOptions::default()
+                        },
+                    )
+                    .await
+                    .expect("open store"),
+                );
                 single.push(run_gate(store.clone(), clients, 1, secs).await);
                 batch.push(run_gate(store.clone(), clients.min(16), BATCH_OPS, secs).await);
+                store.close();
+                drop(store);
+                tokio::time::sleep(Duration::from_millis(500)).await;
                 eprintln!(
                     "clients {clients} round {round}: raw {:.0}/s, gate {:.0}/s, batch {:.0}/s",
                     raw[round].ops_per_s, single[round].ops_per_s, batch[round].ops_per_s

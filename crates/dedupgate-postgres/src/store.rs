@@ -344,6 +344,12 @@ impl PgStore {
         })
     }
 
+    /// Closes the pool: idle connections at once, busy ones when they come back. Every later
+    /// operation answers `unavailable`. For a graceful shutdown.
+    pub fn close(&self) {
+        self.pool.close();
+    }
+
     /// The schema holding the table and functions.
     pub fn schema(&self) -> &str {
         &self.options.schema
