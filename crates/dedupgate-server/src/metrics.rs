@@ -109,7 +109,7 @@ impl Metrics {
         let swept = Counter::default();
         registry.register(
             "records_swept",
-            "Expired records removed by this server's sweeper",
+            "Expired records removed: the store's own count where it keeps one, else this server's sweeper's",
             swept.clone(),
         );
         Self {
@@ -195,6 +195,14 @@ impl Metrics {
         if let Some(held) = stats.and_then(|s| s.records_held) {
             self.records_held
                 .set(i64::try_from(held).unwrap_or(i64::MAX));
+        }
+        // A store that sweeps on its own (embedded) counts more than our sweeper saw: follow
+        // the larger of the two, which keeps the counter monotonic.
+        if let Some(total) = stats.and_then(|s| s.swept_total) {
+            let seen = self.swept.get();
+            if total > seen {
+                self.swept.inc_by(total - seen);
+            }
         }
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
