@@ -33,10 +33,23 @@ fn claim() -> Op {
 
 fn main() {
     if std::env::var_os("DEDUPGATE_PG_CHILD").is_some() {
-        child();
-    } else {
-        parent();
+        return child();
     }
+    // Behave like a test harness towards cargo: list, and honour a name filter.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--list") {
+        println!("many_processes_one_new_per_key: test");
+        return;
+    }
+    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
+    if !filters.is_empty()
+        && !filters
+            .iter()
+            .any(|f| "many_processes_one_new_per_key".contains(f.as_str()))
+    {
+        return;
+    }
+    parent();
 }
 
 fn runtime() -> tokio::runtime::Runtime {
