@@ -20,6 +20,10 @@ use redb::{
     Database, Durability, ReadableTable, ReadableTableMetadata, TableDefinition, WriteTransaction,
 };
 
+#[path = "engines/wal_redb.rs"]
+mod wal_redb;
+use wal_redb::WalRedbEngine;
+
 #[derive(Clone, Copy, Debug)]
 enum Workload {
     Unique,
@@ -340,11 +344,12 @@ fn fjall_err(e: fjall::Error) -> EngineError {
     }
 }
 
-/// fjall: a log-structured merge tree. A commit appends the batch to the journal (one sequential
+/// fjall through `Batch::commit` (measured for comparison only: it swallows journal write
+/// errors, see `docs/embedded-engine.md`). A commit appends the batch to the journal (one sequential
 /// write) and fdatasyncs it; memtables are flushed to sorted segments in the background. The
 /// journal makes a commit cost one small sequential write however scattered the batch's keys are,
 /// which is why it was chosen (see `docs/embedded-engine.md`).
-struct FjallEngine {
+struct FjallBatchEngine {
     keyspace: fjall::Keyspace,
     entries: fjall::PartitionHandle,
     expiry: fjall::PartitionHandle,
@@ -352,7 +357,7 @@ struct FjallEngine {
     path: PathBuf,
 }
 
-impl FjallEngine {
+impl FjallBatchEngine {
     /// Opens the keyspace in directory `path`, creating it when it does not exist and replaying
     /// its journal after a crash.
     fn open(path: &Path) -> Result<Self, EngineError> {
@@ -384,7 +389,7 @@ impl FjallEngine {
 }
 
 struct FjallTxn<'e> {
-    engine: &'e FjallEngine,
+    engine: &'e FjallBatchEngine,
     batch: fjall::Batch,
 }
 
@@ -456,7 +461,7 @@ impl Txn for FjallTxn<'_> {
     }
 }
 
-impl Engine for FjallEngine {
+impl Engine for FjallBatchEngine {
     fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError> {
         let mut txn = FjallTxn {
             engine: self,
@@ -718,7 +723,13 @@ fn main() {
         .unwrap_or(3);
     let mut engines: Vec<(&str, usize, Vec<Figures>)> = Vec::new();
     for tasks in [1usize, 64] {
-        for engine in ["redb", "sqlite", "fjall"] {
+        for engine in [
+            "shipped (fjall)",
+            "fjall Batch::commit",
+            "redb+wal",
+            "redb",
+            "sqlite",
+        ] {
             engines.push((engine, tasks, Vec::new()));
         }
     }
@@ -731,9 +742,22 @@ fn main() {
                     let file = path.join("store.redb");
                     Box::new(move || Ok(Box::new(RedbEngine::open(&file)?) as Box<dyn Engine>))
                 }
-                "fjall" => {
+                "redb+wal" => {
+                    let sub = path.join("engine");
+                    Box::new(move || Ok(Box::new(WalRedbEngine::open(&sub)?) as Box<dyn Engine>))
+                }
+                "shipped (fjall)" => {
+                    let sub = path.join("keyspace");
+                    Box::new(move || {
+                        Ok(
+                            Box::new(dedupgate_embedded::engine::FjallEngine::open(&sub)?)
+                                as Box<dyn Engine>,
+                        )
+                    })
+                }
+                "fjall Batch::commit" => {
                     let sub = path.join("fjall");
-                    Box::new(move || Ok(Box::new(FjallEngine::open(&sub)?) as Box<dyn Engine>))
+                    Box::new(move || Ok(Box::new(FjallBatchEngine::open(&sub)?) as Box<dyn Engine>))
                 }
                 _ => {
                     let file = path.join("store.sqlite");

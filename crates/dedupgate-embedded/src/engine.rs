@@ -4,7 +4,9 @@
 //! read and write entries by id, keep an ordered expiry index, keep a few named numbers, and
 //! commit durably (fsync'd) or abort. [`Engine`] and [`Txn`] say exactly that, so the engine
 //! comparison in `benches/claims.rs` runs redb, SQLite and fjall under the very same writer. The
-//! store ships with [`crate::wal::WalRedbEngine`] (see `docs/embedded-engine.md` for why).
+//! store ships with [`FjallEngine`] (see `docs/embedded-engine.md` for why and how).
+
+use std::path::{Path, PathBuf};
 
 /// Why an engine call failed. Any of these inside a write makes the store fail closed.
 #[derive(Debug, thiserror::Error)]
@@ -64,3 +66,171 @@ pub trait Engine: Send + 'static {
 
 /// Opens (or reopens after a failure) an engine. Called on the writer thread.
 pub type EngineOpener = Box<dyn FnMut() -> Result<Box<dyn Engine>, EngineError> + Send>;
+
+impl From<fjall::Error> for EngineError {
+    fn from(e: fjall::Error) -> Self {
+        match e {
+            fjall::Error::Io(io) | fjall::Error::Storage(lsm_tree::Error::Io(io)) => {
+                EngineError::Io(io)
+            }
+            fjall::Error::Poisoned => EngineError::Other(
+                "a previous journal write or fsync failed; the engine must be reopened".into(),
+            ),
+            fjall::Error::JournalRecovery(r) => {
+                EngineError::Corrupt(format!("journal recovery failed: {r:?}"))
+            }
+            fjall::Error::Decode(d) => EngineError::Corrupt(format!("undecodable data: {d:?}")),
+            fjall::Error::Storage(other) => {
+                EngineError::Corrupt(format!("unreadable engine files: {other:?}"))
+            }
+            fjall::Error::InvalidVersion(v) => {
+                EngineError::Corrupt(format!("not a readable keyspace (version marker {v:?})"))
+            }
+            other => EngineError::Other(format!("{other:?}")),
+        }
+    }
+}
+
+/// fjall: a log-structured merge tree. Writes go to an in-memory table and to a journal; the
+/// writer persists the journal (flush, then `fdatasync`) once per group commit, so a commit costs
+/// one small sequential write however scattered the batch's keys are. Sorted segments are written
+/// and compacted in the background.
+///
+/// Writes use `PartitionHandle::insert`/`remove` with `manual_journal_persist`, not
+/// `fjall::Batch`: fjall 2.11's `Batch::commit` ignores the journal write's error, so on a full
+/// disk it acknowledged a batch that never reached the journal (our full-disk test caught it).
+/// The per-key path returns every write error. A batch is therefore not one atomic unit on disk:
+/// a crash mid-batch may keep some of its (unacknowledged) changes, which the writer tolerates by
+/// ordering them (new expiry-index key, then the entry, then the old index key's removal).
+pub struct FjallEngine {
+    keyspace: fjall::Keyspace,
+    entries: fjall::PartitionHandle,
+    expiry: fjall::PartitionHandle,
+    meta: fjall::PartitionHandle,
+    path: PathBuf,
+}
+
+impl FjallEngine {
+    /// Opens the keyspace in directory `path`, creating it when it does not exist and replaying
+    /// its journal after a crash.
+    pub fn open(path: &Path) -> Result<Self, EngineError> {
+        let keyspace = fjall::Config::new(path)
+            // Journals are replayed on open: bounding them bounds recovery time after a crash.
+            .max_journaling_size(64 << 20)
+            .max_write_buffer_size(32 << 20)
+            .cache_size(64 << 20)
+            // Durability comes from the writer's persist at each commit; nothing is written to
+            // the journal file behind its back, and nothing is synced on a timer.
+            .manual_journal_persist(true)
+            .fsync_ms(None)
+            .open()?;
+        let opts = fjall::PartitionCreateOptions::default;
+        let entries = keyspace.open_partition("entries", opts())?;
+        let expiry = keyspace.open_partition("expiry", opts())?;
+        let meta = keyspace.open_partition("meta", opts())?;
+        Ok(Self {
+            keyspace,
+            entries,
+            expiry,
+            meta,
+            path: path.to_owned(),
+        })
+    }
+}
+
+struct FjallTxn<'e> {
+    engine: &'e FjallEngine,
+    wrote: bool,
+}
+
+impl Txn for FjallTxn<'_> {
+    fn get(&mut self, id: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
+        match self.engine.entries.get(id)? {
+            Some(v) => {
+                out.clear();
+                out.extend_from_slice(&v);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn put(&mut self, id: &[u8], value: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.entries.insert(id, value)?;
+        Ok(())
+    }
+
+    fn remove(&mut self, id: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.entries.remove(id)?;
+        Ok(())
+    }
+
+    fn index_insert(&mut self, key: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.expiry.insert(key, [])?;
+        Ok(())
+    }
+
+    fn index_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.expiry.remove(key)?;
+        Ok(())
+    }
+
+    fn index_before(
+        &mut self,
+        bound: &[u8],
+        max: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), EngineError> {
+        for item in self.engine.expiry.range(..bound).take(max) {
+            let (k, _) = item?;
+            out.push(k.to_vec());
+        }
+        Ok(())
+    }
+
+    fn meta_get(&mut self, name: &str) -> Result<Option<u64>, EngineError> {
+        match self.engine.meta.get(name)? {
+            Some(v) => {
+                let bytes: [u8; 8] = v.as_ref().try_into().map_err(|_| {
+                    EngineError::Corrupt(format!("meta {name} holds {} bytes, not 8", v.len()))
+                })?;
+                Ok(Some(u64::from_le_bytes(bytes)))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn meta_put(&mut self, name: &str, value: u64) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.meta.insert(name, value.to_le_bytes())?;
+        Ok(())
+    }
+
+    fn is_empty(&mut self) -> Result<bool, EngineError> {
+        Ok(self.engine.entries.is_empty()?)
+    }
+}
+
+impl Engine for FjallEngine {
+    fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError> {
+        let mut txn = FjallTxn {
+            engine: self,
+            wrote: false,
+        };
+        let commit = body(&mut txn)?;
+        if commit && txn.wrote {
+            // The durability point: flush the journal buffer, then fdatasync. A failure poisons
+            // the keyspace; the writer fails closed and reopens it.
+            self.keyspace.persist(fjall::PersistMode::SyncData)?;
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!("fjall {}", self.path.display())
+    }
+}

@@ -13,10 +13,10 @@
 //!   [`dedupgate_core::decide`], writes the batch in one transaction, fsyncs once, then answers
 //!   every waiter. After a failed write or fsync it answers "unavailable" until the engine has
 //!   reopened cleanly.
-//! - [`engine`]: the seam between the writer and the storage engine. [`wal::WalRedbEngine`] is
-//!   the one shipped: redb behind a write-ahead log of our own, so a commit is one small
-//!   sequential append and one fdatasync (chosen by measurement against plain redb, SQLite and
-//!   fjall, see `docs/embedded-engine.md`).
+//! - [`engine`]: the seam between the writer and the storage engine. [`engine::FjallEngine`]
+//!   (an LSM tree: a commit is one journal append and one fdatasync) is the one shipped, chosen
+//!   by measurement against redb, redb behind our own log, and SQLite (see
+//!   `docs/embedded-engine.md`).
 //! - [`codec`]: the versioned entry encoding; corrupt bytes decode to an error, never to "absent".
 //!
 //! ```
@@ -37,7 +37,6 @@ pub mod codec;
 pub mod engine;
 mod error;
 mod store;
-pub mod wal;
 mod writer;
 
 pub use error::OpenError;
@@ -46,7 +45,7 @@ pub use store::{EmbeddedOptions, EmbeddedStore};
 /// Format version of the store's layout (tables and encodings). A store written with another
 /// version is refused with [`OpenError::UnknownFormat`]; a future release may migrate instead.
 pub const FORMAT_VERSION: u64 = 1;
-/// The engine's directory (redb file and write-ahead log) inside the store directory.
+/// The engine's directory inside the store directory: the `FORMAT` file and the fjall keyspace.
 pub const ENGINE_DIR_NAME: &str = "engine";
 /// The file in the engine directory that holds [`FORMAT_VERSION`] as text; read before anything
 /// else is opened.

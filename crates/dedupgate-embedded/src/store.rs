@@ -13,9 +13,8 @@ use dedupgate_core::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::{Engine, EngineError, EngineOpener};
+use crate::engine::{Engine, EngineError, EngineOpener, FjallEngine};
 use crate::error::OpenError;
-use crate::wal::WalRedbEngine;
 use crate::writer::{check_format, FormatProblem, Request, Shared, Writer};
 use crate::{ENGINE_DIR_NAME, FORMAT_FILE_NAME, LOCK_FILE_NAME};
 
@@ -185,10 +184,14 @@ fn check_format_file(engine_dir: &Path) -> Result<(), OpenError> {
     }
 }
 
-/// Opens the engine, turning a panic on malformed files into a corrupt-files error.
+/// The fjall keyspace inside the engine directory.
+const KEYSPACE_DIR_NAME: &str = "keyspace";
+
+/// Opens the engine in an engine directory, turning a panic on malformed files into a corrupt-files error.
 fn open_engine(path: &Path) -> Result<Box<dyn Engine>, EngineError> {
-    let opened =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| WalRedbEngine::open(path)));
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        FjallEngine::open(&path.join(KEYSPACE_DIR_NAME))
+    }));
     match opened {
         Ok(Ok(engine)) => Ok(Box::new(engine)),
         Ok(Err(e)) => Err(e),
@@ -316,7 +319,7 @@ impl EmbeddedStore {
         let reopen_path = db_path.clone();
         let opener: EngineOpener = Box::new(move || open_engine(&reopen_path));
         let description = format!(
-            "embedded:{} (redb + write-ahead log, one fdatasync per group commit)",
+            "embedded:{} (fjall, one fdatasync per group commit)",
             dir.display()
         );
         Ok(Self::start(

@@ -424,15 +424,19 @@ fn decide_all(
             added += 1;
         }
         let entry = slot.current.as_ref().expect("a dirty slot holds an entry");
-        encode_entry(entry, &mut val_buf);
-        txn.put(id, &val_buf)?;
-        if slot.stored_expires_at_ms != Some(entry.expires_at_ms) {
-            if let Some(old) = slot.stored_expires_at_ms {
-                expiry_key(old, id, &mut key_buf);
-                txn.index_remove(&key_buf)?;
-            }
+        // Order matters where an engine cannot make the batch one atomic unit: a crash between
+        // these steps leaves at worst a stale index key (the sweeper re-checks and drops it),
+        // never an entry without an index key (which would never be swept).
+        let moved = slot.stored_expires_at_ms != Some(entry.expires_at_ms);
+        if moved {
             expiry_key(entry.expires_at_ms, id, &mut key_buf);
             txn.index_insert(&key_buf)?;
+        }
+        encode_entry(entry, &mut val_buf);
+        txn.put(id, &val_buf)?;
+        if let (true, Some(old)) = (moved, slot.stored_expires_at_ms) {
+            expiry_key(old, id, &mut key_buf);
+            txn.index_remove(&key_buf)?;
         }
         any = true;
     }

@@ -74,16 +74,17 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (usize, u64)> {
     out
 }
 
-/// Writes into the store's engine files directly (the store closed and its log checkpointed),
-/// as a bug or a disk fault would.
-fn raw_put(dir: &Path, table: &str, key: &[u8], value: &[u8]) {
-    let db = redb::Database::open(dir.join(ENGINE_DIR_NAME).join("data.redb")).unwrap();
-    let txn = db.begin_write().unwrap();
-    {
-        let def: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new(table);
-        txn.open_table(def).unwrap().insert(key, value).unwrap();
-    }
-    txn.commit().unwrap();
+/// Writes into the store's engine files directly (the store closed), as a bug or a disk fault
+/// would.
+fn raw_put(dir: &Path, partition: &str, key: &[u8], value: &[u8]) {
+    let ks = fjall::Config::new(dir.join(ENGINE_DIR_NAME).join("keyspace"))
+        .open()
+        .unwrap();
+    let p = ks
+        .open_partition(partition, fjall::PartitionCreateOptions::default())
+        .unwrap();
+    p.insert(key, value).unwrap();
+    ks.persist(fjall::PersistMode::SyncAll).unwrap();
 }
 
 fn open(dir: &Path) -> Result<EmbeddedStore, OpenError> {
@@ -250,20 +251,18 @@ fn a_file_where_the_directory_should_be_is_refused() {
 fn corrupt_engine_files_are_refused_and_left_untouched() {
     let tmp = tempfile::tempdir().unwrap();
     let garbage: Vec<u8> = (0..10_000u32).map(|i| (i * 7919 % 251) as u8).collect();
-    // A log record whose checksum is right but whose body is not a log record.
-    let mut bad_record = Vec::new();
-    let body = b"\x09\x09not a record";
-    bad_record.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    bad_record.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
-    bad_record.extend_from_slice(body);
     let cases: [(&str, &str, &[u8]); 3] = [
         (
             "a file where the engine's directory should be",
             "",
             &garbage,
         ),
-        ("a garbled database file", "data.redb", &garbage),
-        ("a malformed log record", "wal", &bad_record),
+        ("a garbled version marker", "keyspace/version", &garbage),
+        (
+            "a garbled partition manifest",
+            "keyspace/partitions/entries/manifest",
+            &garbage,
+        ),
     ];
     for (n, (what, file, bytes)) in cases.into_iter().enumerate() {
         let dir = tmp.path().join(format!("c{n}"));

@@ -1,4 +1,5 @@
-//! [`WalRedbEngine`]: redb behind a write-ahead log of our own.
+//! [`WalRedbEngine`]: redb behind a write-ahead log of our own (a candidate engine, measured in
+//! the comparison; not the one shipped, see `docs/embedded-engine.md`).
 //!
 //! Why: a redb commit with `Durability::Immediate` writes every B-tree page the batch dirtied and
 //! fsyncs them, so 64 scattered keys cost ~64 random page writes per fsync. Here a commit is
@@ -27,7 +28,7 @@ use redb::{
     Database, Durability, ReadableTable, ReadableTableMetadata, TableDefinition, WriteTransaction,
 };
 
-use crate::engine::{Engine, EngineError, Txn, TxnBody};
+use dedupgate_embedded::engine::{Engine, EngineError, Txn, TxnBody};
 
 /// Entries by id (see [`crate::codec`] for both encodings).
 const ENTRIES: TableDefinition<&[u8], &[u8]> = TableDefinition::new("entries");
@@ -37,13 +38,13 @@ const EXPIRY: TableDefinition<&[u8], ()> = TableDefinition::new("expiry");
 const META: TableDefinition<&[u8], &[u8]> = TableDefinition::new("meta");
 
 /// The database file inside the engine directory.
-pub const DB_FILE: &str = "data.redb";
+const DB_FILE: &str = "data.redb";
 /// The log file inside the engine directory.
-pub const LOG_FILE: &str = "wal";
+const LOG_FILE: &str = "wal";
 /// Log size that triggers a checkpoint: bounds replay time after a crash.
-pub const CHECKPOINT_LOG_BYTES: u64 = 64 << 20;
+const CHECKPOINT_LOG_BYTES: u64 = 64 << 20;
 /// Longest time between checkpoints while writes arrive: bounds redb's unflushed memory.
-pub const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(2);
+const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(60);
 /// Largest log record accepted on replay (a batch of 10,000 ops of 1 MiB results is far below).
 const RECORD_BYTES_MAX: usize = 1 << 30;
 
@@ -65,19 +66,21 @@ fn redb_err(e: impl Into<redb::Error>) -> EngineError {
 }
 
 /// redb plus a write-ahead log; see the module docs.
-pub struct WalRedbEngine {
+pub(crate) struct WalRedbEngine {
     db: Database,
     log: File,
     log_bytes: u64,
     last_checkpoint: Instant,
     record: Vec<u8>,
     dir: PathBuf,
+    /// Set by any failed write: the engine is then only dropped, never written through again.
+    failed: bool,
 }
 
 impl WalRedbEngine {
     /// Opens the engine in directory `dir` (created when missing; its parent must exist),
     /// replays the log onto the database and checkpoints.
-    pub fn open(dir: &Path) -> Result<Self, EngineError> {
+    pub(crate) fn open(dir: &Path) -> Result<Self, EngineError> {
         if !dir.exists() {
             std::fs::create_dir(dir)?;
         }
@@ -110,6 +113,7 @@ impl WalRedbEngine {
             last_checkpoint: Instant::now(),
             record: Vec::with_capacity(64 << 10),
             dir: dir.to_owned(),
+            failed: false,
         };
         if !bytes.is_empty() {
             engine.replay(&bytes[..valid_bytes])?;
@@ -334,9 +338,10 @@ impl Txn for WalTxn<'_, '_> {
 
 impl Drop for WalRedbEngine {
     fn drop(&mut self) {
-        // A clean close leaves an empty log. Best effort: after a failure the engine is being
-        // dropped precisely because writing failed, and the log replays on the next open.
-        if self.log_bytes > 0 {
+        // A clean close leaves an empty log. Not after a failure: the engine is being dropped
+        // because writing failed, so nothing more is written through it; the log replays on
+        // the next open instead.
+        if self.log_bytes > 0 && !self.failed {
             if let Err(e) = self.checkpoint() {
                 tracing::warn!(error = %e, "checkpoint at close failed; the log will replay on open");
             }
@@ -346,6 +351,20 @@ impl Drop for WalRedbEngine {
 
 impl Engine for WalRedbEngine {
     fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError> {
+        let result = self.write_inner(body);
+        if result.is_err() {
+            self.failed = true;
+        }
+        result
+    }
+
+    fn describe(&self) -> String {
+        format!("redb+wal {}", self.dir.display())
+    }
+}
+
+impl WalRedbEngine {
+    fn write_inner(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError> {
         let mut txn = self.db.begin_write().map_err(redb_err)?;
         txn.set_durability(Durability::None);
         self.record.clear();
@@ -380,9 +399,5 @@ impl Engine for WalRedbEngine {
             self.checkpoint()?;
         }
         Ok(())
-    }
-
-    fn describe(&self) -> String {
-        format!("redb+wal {}", self.dir.display())
     }
 }
