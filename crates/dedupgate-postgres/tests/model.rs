@@ -190,7 +190,8 @@ async fn postgres_answers_like_the_reference_model() {
                 })
                 .collect();
             if n > 1 && rng.gen_bool(0.4) {
-                // Claims only, of distinct keys: the store's set-based batch path.
+                // Claims only (or marks only), of distinct keys: the set-based batch paths.
+                let marks = rng.gen_bool(0.4);
                 let mut distinct = keys.to_vec();
                 distinct.shuffle(&mut rng);
                 distinct.truncate(n.min(keys.len()));
@@ -199,7 +200,12 @@ async fn postgres_answers_like_the_reference_model() {
                     .map(|k| {
                         let fp = [None, Some("fp-a"), Some("fp-b")][rng.gen_range(0..3)];
                         let owner = [None, Some("o1"), Some("o2")][rng.gen_range(0..3)];
-                        (k.to_owned(), Step::Claim(fp, owner))
+                        let step = if marks {
+                            Step::Mark(fp, Some(json!(rng.gen_range(0..9))))
+                        } else {
+                            Step::Claim(fp, owner)
+                        };
+                        (k.to_owned(), step)
                     })
                     .collect();
             }

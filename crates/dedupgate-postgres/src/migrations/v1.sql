@@ -408,9 +408,82 @@ BEGIN
 END
 $$;
 
+-- Many marks of distinct keys at one instant, set-based, exactly as dedupgate_claim_distinct
+-- does claims (the per-row logic is dedupgate_mark's).
+CREATE FUNCTION {s}.dedupgate_mark_answer(t {s}.dedupgate_records, r {s}.dedupgate_records,
+                                          p_fp bytea)
+RETURNS {s}.dedupgate_answer
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF t.namespace IS NOT NULL THEN
+        RETURN ROW(1::smallint, t.state, t.fence, NULL, t.fingerprint, t.owner,
+                   t.created_at_ms, t.expires_at_ms, t.lease_expires_at_ms,
+                   t.completed_at_ms, t.result)::{s}.dedupgate_answer;
+    END IF;
+    IF r.namespace IS NULL THEN
+        RAISE EXCEPTION 'dedupgate: a mark conflicted with an entry it cannot read';
+    END IF;
+    IF r.fingerprint IS NOT NULL AND p_fp IS NOT NULL AND r.fingerprint <> p_fp THEN
+        RETURN ROW(3::smallint, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                   NULL)::{s}.dedupgate_answer;
+    END IF;
+    RETURN ROW(2::smallint, r.state, r.fence, NULL, r.fingerprint, r.owner,
+               r.created_at_ms, r.expires_at_ms, r.lease_expires_at_ms,
+               r.completed_at_ms, r.result)::{s}.dedupgate_answer;
+END
+$$;
+
+CREATE FUNCTION {s}.dedupgate_mark_distinct(p_ns bytea[], p_key bytea[], p_ttl_ms bigint[],
+                                            p_fp bytea[], p_result bytea[])
+RETURNS SETOF {s}.dedupgate_answer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_now   bigint := {s}.dedupgate_now_ms();
+    v_taken {s}.dedupgate_records[];
+BEGIN
+    WITH taken AS (
+        INSERT INTO {s}.dedupgate_records AS e
+            (namespace, key, state, fence, token, fingerprint, owner, created_at_ms, expires_at_ms,
+             lease_expires_at_ms, completed_at_ms, result)
+        SELECT u.ns, u.key, 1, v_now * 1000, NULL, u.fp, NULL, v_now, v_now + u.ttl_ms, NULL,
+               v_now, u.result
+        FROM unnest(p_ns, p_key, p_ttl_ms, p_fp, p_result) AS u(ns, key, ttl_ms, fp, result)
+        ORDER BY u.ns, u.key
+        ON CONFLICT (namespace, key) DO UPDATE SET
+            state = 1,
+            fence = greatest(e.fence + 1, v_now * 1000),
+            token = NULL,
+            fingerprint = EXCLUDED.fingerprint,
+            owner = NULL,
+            created_at_ms = v_now,
+            expires_at_ms = EXCLUDED.expires_at_ms,
+            lease_expires_at_ms = NULL,
+            completed_at_ms = v_now,
+            result = EXCLUDED.result
+        WHERE NOT (e.expires_at_ms > v_now AND e.state <> 2)
+           OR (NOT (e.fingerprint IS NOT NULL AND EXCLUDED.fingerprint IS NOT NULL
+                    AND e.fingerprint <> EXCLUDED.fingerprint)
+               AND e.state = 0
+               AND coalesce(e.lease_expires_at_ms <= v_now, false))
+        RETURNING e.*
+    )
+    SELECT array_agg(ROW(taken.*)::{s}.dedupgate_records) INTO v_taken FROM taken;
+
+    RETURN QUERY
+    SELECT a.*
+    FROM unnest(p_ns, p_key, p_fp) WITH ORDINALITY AS u(ns, key, fp, i)
+    LEFT JOIN unnest(v_taken) AS t ON t.namespace = u.ns AND t.key = u.key
+    LEFT JOIN {s}.dedupgate_records AS r
+           ON t.namespace IS NULL AND r.namespace = u.ns AND r.key = u.key
+    CROSS JOIN LATERAL {s}.dedupgate_mark_answer(t, r, u.fp) AS a
+    ORDER BY u.i;
+END
+$$;
+
 -- A batch: one call, one transaction, one commit. Ops run in array order, each through the same
--- function as a single op, so a later op sees an earlier one; a batch of claims only, all of
--- distinct keys, goes set-based through dedupgate_claim_distinct. p_kind: 1 claim, 2 mark,
+-- function as a single op, so a later op sees an earlier one; a batch of claims only (or marks
+-- only), all of distinct keys, goes set-based through dedupgate_claim_distinct (or
+-- dedupgate_mark_distinct). p_kind: 1 claim, 2 mark,
 -- 3 complete, 4 release, 5 extend, 6 get, 7 forget. Unused fields of an op are NULL.
 CREATE FUNCTION {s}.dedupgate_apply_batch(p_kind smallint[], p_ns bytea[], p_key bytea[],
                                           p_ttl_ms bigint[], p_lease_ms bigint[], p_fp bytea[],
@@ -420,11 +493,17 @@ LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     n integer := coalesce(array_length(p_kind, 1), 0);
 BEGIN
-    IF n > 1 AND p_kind <@ ARRAY[1]::smallint[]
+    IF n > 1 AND (p_kind <@ ARRAY[1]::smallint[] OR p_kind <@ ARRAY[2]::smallint[])
        AND (SELECT count(*) FROM (SELECT DISTINCT ns, key FROM unnest(p_ns, p_key) AS u(ns, key)) d) = n
     THEN
-        RETURN QUERY SELECT * FROM {s}.dedupgate_claim_distinct(p_ns, p_key, p_ttl_ms, p_lease_ms,
-                                                                p_fp, p_owner, p_token);
+        IF p_kind[1] = 1 THEN
+            RETURN QUERY SELECT * FROM {s}.dedupgate_claim_distinct(p_ns, p_key, p_ttl_ms,
+                                                                    p_lease_ms, p_fp, p_owner,
+                                                                    p_token);
+        ELSE
+            RETURN QUERY SELECT * FROM {s}.dedupgate_mark_distinct(p_ns, p_key, p_ttl_ms, p_fp,
+                                                                   p_result);
+        END IF;
         RETURN;
     END IF;
     FOR i IN 1 .. n LOOP
