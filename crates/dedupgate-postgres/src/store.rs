@@ -396,9 +396,11 @@ impl PgStore {
     /// record commits or rolls back with the caller's own writes. Until the caller commits, the
     /// row stays locked, so a concurrent claim of the same key waits and then sees the outcome.
     ///
-    /// Use it for claim or mark: on rollback the claim never happened, so there is nothing to
-    /// release. An SQL error here aborts the caller's transaction, as any failed statement does.
-    /// The answer is durable only once the caller's commit returns.
+    /// Use it for claim or mark (and complete in the same transaction): on rollback the claim
+    /// never happened, so there is nothing to release. An SQL error here aborts the caller's
+    /// transaction, as any failed statement does; duplicates, mismatches and lost leases are
+    /// answers and leave it usable. The answer is durable only once the caller's commit returns.
+    /// One round trip (`query_typed`, no prepared statement kept on the caller's connection).
     pub async fn apply_in<C: GenericClient + Sync>(
         &self,
         client: &C,
@@ -412,10 +414,12 @@ impl PgStore {
             .iter()
             .map(|(p, t)| (p.as_ref() as &(dyn ToSql + Sync), t.clone()))
             .collect();
-        let fut = client.query_typed_one(self.sql.call(kind), &typed);
-        let row = tokio::time::timeout(self.options.op_timeout(), fut)
+        // No timeout of ours here: abandoning a statement would leave the caller's transaction
+        // in an unknown state. The caller bounds it (statement_timeout, or its own timeout and
+        // a rollback).
+        let row = client
+            .query_typed_one(self.sql.call(kind), &typed)
             .await
-            .map_err(|_| timed_out())?
             .map_err(unavailable)?;
         Answer::from_row(row)?.outcome(kind, &id)
     }
