@@ -514,3 +514,53 @@ fn ledger_on_a_server() {
     assert_eq!(out(&first), events(30..60));
     assert_eq!(out(&second), events(0..30));
 }
+
+#[test]
+fn large_inputs_cross_chunk_boundaries_with_exact_output_and_line_numbers() {
+    // About 4 MB over several 1 MiB chunks, one line longer than a chunk, and a malformed
+    // line far from the start: the output is exactly the first line of each key, in order,
+    // and the reject names its true line number.
+    let dir = tempfile::tempdir().unwrap();
+    let mut input = String::new();
+    let mut expected = String::new();
+    let mut seen = std::collections::HashSet::new();
+    let blob = "x".repeat(2_500_000);
+    for i in 0..70_000u32 {
+        let key = (i * 7919) % 45_000;
+        let line = if i == 30_000 {
+            format!("{{\"k\":{key},\"blob\":\"{blob}\"}}")
+        } else {
+            format!("{{\"k\":{key},\"i\":{i}}}")
+        };
+        if i == 55_555 {
+            input.push_str("{\"k\": broken\n");
+        }
+        if seen.insert(key) {
+            expected.push_str(&line);
+            expected.push('\n');
+        }
+        input.push_str(&line);
+        input.push('\n');
+    }
+    let path = write(dir.path(), "big.jsonl", &input);
+    let rejects = dir.path().join("r.jsonl");
+    let o = dg()
+        .args(["dedup", "--key-fields", "k", "--rejects"])
+        .arg(&rejects)
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        out(&o) == expected,
+        "output differs from the first line of each key"
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(fs::read_to_string(&rejects).unwrap().trim()).unwrap();
+    assert_eq!(r["line"], 55_556);
+    assert!(
+        err(&o).contains("read 70001, emitted 45000, duplicates 25000, rejected 1"),
+        "{}",
+        err(&o)
+    );
+}

@@ -20,14 +20,15 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use dedupgate_core::keys::parse_duration_ms;
+use dedupgate_core::keys::{parse_duration_ms, RawObject};
 use dedupgate_core::{Claim, Namespace, Token};
 
 use super::pipeline::backend::{Backend, DEFAULT_LOCK_WAIT_MS};
 use super::pipeline::input::{self, Format, Input};
 use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
+use super::pipeline::parallel::for_each_keyed_chunk;
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{now_ms, progress, runtime, Rejects, PROGRESS_EVERY_LINES};
+use super::pipeline::{line_value, now_ms, progress, runtime, Rejects, PROGRESS_EVERY_LINES};
 use crate::store_spec::StoreSpec;
 
 /// Most records per ledger batch (one claim commit and one complete commit each).
@@ -136,6 +137,13 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
         bar: &bar,
     };
     let result = match (&ledger, args.keep) {
+        (None, Keep::First) if format == Format::Jsonl => {
+            job.first_in_memory_jsonl(inputs, &mut *out)
+        }
+        (Some(backend), Keep::First) if format == Format::Jsonl => {
+            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, &rt);
+            job.first_with_ledger_jsonl(inputs, &mut sink, &mut *out)
+        }
         (None, Keep::First) => job.first_in_memory(inputs, &mut *out),
         (None, Keep::Last) => job.last(inputs, None, &mut *out),
         (Some(backend), Keep::First) => {
@@ -180,6 +188,92 @@ impl Job<'_> {
         if self.counts.read % PROGRESS_EVERY_LINES == 0 {
             self.bar.set_position(records.bytes_read());
         }
+    }
+
+    /// Keep first, no ledger, JSON Lines: keys computed on a second thread, in memory here.
+    fn first_in_memory_jsonl(
+        &mut self,
+        inputs: Vec<Input>,
+        out: &mut dyn Write,
+    ) -> anyhow::Result<()> {
+        let total_bytes = input::total_bytes(&inputs);
+        let mut seen: HashSet<u128, Prehashed> = HashSet::default();
+        let mut sized = false;
+        let (counts, rejects, bar, emit_id) =
+            (&mut self.counts, &mut *self.rejects, self.bar, self.emit_id);
+        for_each_keyed_chunk(inputs, self.spec, self.now_ms, |kc| {
+            if !sized {
+                // Room for half the estimated lines as distinct keys: one growth at most
+                // when fewer than half are duplicates.
+                sized = true;
+                if let Some(total) = total_bytes {
+                    let per_line = kc.chunk.data.len() as u64 / (kc.lines.len() as u64).max(1);
+                    let estimate = total / per_line.max(1) / 2;
+                    seen.reserve(estimate.min(1 << 28) as usize);
+                }
+            }
+            for line in &kc.lines {
+                counts.read += 1;
+                let bytes = &kc.chunk.data[line.span.clone()];
+                match &line.key {
+                    Err(reason) => {
+                        rejects.reject(&kc.position(line), &reason.0, line_value(bytes))?
+                    }
+                    Ok(digest) => {
+                        if seen.insert(short(digest)) {
+                            counts.emitted += 1;
+                            write_line(bytes, emit_id, digest, out)?;
+                        } else {
+                            counts.duplicates += 1;
+                        }
+                    }
+                }
+            }
+            bar.set_position(kc.chunk.bytes_read_total);
+            Ok(())
+        })
+    }
+
+    /// Keep first with a ledger, JSON Lines: keys computed on a second thread.
+    fn first_with_ledger_jsonl(
+        &mut self,
+        inputs: Vec<Input>,
+        sink: &mut LedgerSink<'_>,
+        out: &mut dyn Write,
+    ) -> anyhow::Result<()> {
+        let (counts, rejects, bar, emit_id) =
+            (&mut self.counts, &mut *self.rejects, self.bar, self.emit_id);
+        let spec = self.spec;
+        for_each_keyed_chunk(inputs, self.spec, self.now_ms, |kc| {
+            for line in &kc.lines {
+                counts.read += 1;
+                let bytes = &kc.chunk.data[line.span.clone()];
+                match &line.key {
+                    Err(reason) => {
+                        rejects.reject(&kc.position(line), &reason.0, line_value(bytes))?
+                    }
+                    Ok(digest) => {
+                        if !sink.batch_ids.insert(short(digest)) {
+                            counts.duplicates += 1;
+                            continue;
+                        }
+                        let key = match (spec, &line.text) {
+                            (KeySpec::Template(_), Some(text)) => text.clone(),
+                            _ => hex::encode(digest),
+                        };
+                        let start = sink.bytes.len();
+                        write_line(bytes, emit_id, digest, &mut sink.bytes)?;
+                        sink.pending.push((key, start..sink.bytes.len()));
+                        if sink.is_full() {
+                            sink.flush(counts, out)?;
+                        }
+                    }
+                }
+            }
+            bar.set_position(kc.chunk.bytes_read_total);
+            Ok(())
+        })?;
+        sink.flush(&mut self.counts, out)
     }
 
     /// Keep first, no ledger: one pass, keys in memory.
@@ -360,6 +454,30 @@ impl Job<'_> {
         }
         Ok(())
     }
+}
+
+/// Writes one JSON line, with its id under `emit_id` when given.
+fn write_line(
+    line: &[u8],
+    emit_id: Option<&str>,
+    digest: &[u8; 32],
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    match emit_id {
+        None => out.write_all(line).context("writing the output")?,
+        Some(field) => {
+            // The line was parsed as an object to key it, so it is UTF-8 and an object.
+            let text = std::str::from_utf8(line).context("record is not UTF-8")?;
+            let obj = RawObject::parse(text)?;
+            out.write_all(
+                obj.with_string_field(field, &hex::encode(digest))
+                    .as_bytes(),
+            )
+            .context("writing the output")?;
+        }
+    }
+    out.write_all(b"\n").context("writing the output")?;
+    Ok(())
 }
 
 /// A batch of records waiting for their ledger claims.

@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod input;
 pub mod keyspec;
+pub mod parallel;
 pub mod records;
 
 use std::fs::File;
