@@ -58,6 +58,12 @@ pub fn try_serve(args: &[&str], env: &[(&str, &str)]) -> Result<Server, String> 
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                {
+                    // Logged before the address is announced, so the start line is in the log.
+                    let mut l = log.lock().unwrap();
+                    l.push_str(&line);
+                    l.push('\n');
+                }
                 if !sent {
                     if let Some(rest) = line.split("listening on http://").nth(1) {
                         if let Ok(addr) = rest.split_whitespace().next().unwrap_or("").parse() {
@@ -66,9 +72,6 @@ pub fn try_serve(args: &[&str], env: &[(&str, &str)]) -> Result<Server, String> 
                         }
                     }
                 }
-                let mut l = log.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
             }
         });
     }
