@@ -77,6 +77,11 @@ pub struct RunConfig {
     pub lin_skew_ms: u64,
     /// Part of every namespace of the run, so runs on a shared server never meet.
     pub run_tag: String,
+    /// Start a Redis server of the run's own (AOF, fsync on every write) and use it as the
+    /// store: `store` is then ignored and the server can be SIGKILLed (`kill_store_pct`).
+    pub owned_redis: bool,
+    /// Percent of cycles that SIGKILL the owned Redis server and restart it.
+    pub kill_store_pct: u32,
     /// Kill the gate even over the memory store, which forgets everything: only to prove that
     /// the oracles see the losses and duplicates that follow.
     pub allow_volatile_gate_kills: bool,
@@ -110,6 +115,8 @@ impl RunConfig {
             lin: true,
             lin_skew_ms: 1,
             allow_volatile_gate_kills: false,
+            owned_redis: false,
+            kill_store_pct: 0,
             run_tag: format!(
                 "{:x}.{:x}",
                 seed,
@@ -128,6 +135,8 @@ pub struct FaultCounts {
     pub worker_sigkills: u64,
     /// Gate processes SIGKILLed (and restarted).
     pub gate_sigkills: u64,
+    /// Store servers (Redis) SIGKILLed and restarted.
+    pub store_sigkills: u64,
     /// Lease holders seen stopped (SIGSTOP).
     pub sigstops: u64,
     /// SIGCONTs sent to them after 1.5-3x the lease.
@@ -173,13 +182,14 @@ impl RunReport {
         let o = &self.oracle;
         let f = &self.faults;
         format!(
-            "{} over {:?}: seed {} | cycles {} (worker SIGKILL {}, gate SIGKILL {}), SIGSTOP {} / SIGCONT {}, spawns {} | events {}, answers {} ({} unknown), effects {} (late writes rejected {}, re-executions {}, effects without completion answer {}), stale completions refused {} | duplicates {}, lost {}, fence violations {}, replay mismatches {} | linearizability: {} keys, {} ops, {} violations, {} inconclusive | {} ms",
+            "{} over {:?}: seed {} | cycles {} (worker SIGKILL {}, gate SIGKILL {}, store SIGKILL {}), SIGSTOP {} / SIGCONT {}, spawns {} | events {}, answers {} ({} unknown), effects {} (late writes rejected {}, re-executions {}, effects without completion answer {}), stale completions refused {} | duplicates {}, lost {}, fence violations {}, replay mismatches {} | linearizability: {} keys, {} ops, {} violations, {} inconclusive | {} ms",
             self.config.store,
             self.config.face,
             self.config.seed,
             f.cycles,
             f.worker_sigkills,
             f.gate_sigkills,
+            f.store_sigkills,
             f.sigstops,
             f.sigconts,
             f.worker_spawns,
@@ -367,9 +377,20 @@ fn spawn_worker(
 }
 
 /// Runs one torture run to the end and checks it.
-pub async fn run(cfg: RunConfig) -> Result<RunReport, RunError> {
+pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     let started = Instant::now();
     std::fs::create_dir_all(&cfg.run_dir)?;
+    // Dropped (and so SIGKILLed) at the end of the run.
+    let mut redis = None;
+    if cfg.owned_redis {
+        let server = dedupgate_redis::testkit::RedisServer::start_in(
+            &cfg.run_dir,
+            dedupgate_redis::testkit::free_port(),
+            &["--appendonly", "yes", "--appendfsync", "always"],
+        )?;
+        cfg.store = server.url();
+        redis = Some(server);
+    }
     let durable = !(cfg.store.starts_with("memory")) || cfg.allow_volatile_gate_kills;
     if cfg.face == Face::Library
         && !(cfg.store.starts_with("redis") || cfg.store.starts_with("postgres"))
@@ -446,6 +467,15 @@ pub async fn run(cfg: RunConfig) -> Result<RunReport, RunError> {
             continue;
         }
         next_fault = Instant::now() + gap(&mut rng);
+        if let Some(server) = redis.as_mut() {
+            if rng.gen_range(0..100) < cfg.kill_store_pct {
+                // SIGKILL: no shutdown, no final fsync; what was acknowledged must be in the AOF.
+                server.restart()?;
+                faults.store_sigkills += 1;
+                faults.cycles += 1;
+                continue;
+            }
+        }
         let kill_gate = gate.is_some() && durable && rng.gen_range(0..100) < cfg.kill_gate_pct;
         if kill_gate {
             let g = gate.as_mut().expect("checked above");
@@ -517,6 +547,7 @@ pub async fn run(cfg: RunConfig) -> Result<RunReport, RunError> {
         g.child.kill()?;
         g.child.wait()?;
     }
+    drop(redis);
 
     // Check.
     let effects = read_ledger(&cfg.run_dir)?;

@@ -129,6 +129,22 @@ async fn library_face_over_postgres_10_crash_cycles() {
     assert_clean(&r);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_face_over_an_owned_redis_that_is_sigkilled_10_crash_cycles() {
+    // appendfsync always: whatever Redis acknowledged is in its AOF when SIGKILL lands.
+    let r = torture("redis (owned)", Face::Library, 10, |c| {
+        c.owned_redis = true;
+        c.kill_store_pct = 40;
+    })
+    .await;
+    assert_clean(&r);
+    assert!(
+        r.faults.store_sigkills > 0,
+        "seed {}: Redis was never killed",
+        r.config.seed
+    );
+}
+
 /// The oracles have teeth: a gate over the memory store forgets every acknowledged answer when
 /// it is killed, and the run must say so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,10 @@ enum Cmd {
         /// Percent of held leases whose holder SIGSTOPs itself before its effect.
         #[arg(long, default_value_t = 5)]
         pause_pct: u32,
+        /// Run a Redis server of the run's own (AOF, appendfsync always) as the store, and
+        /// SIGKILL and restart it in this percent of the cycles (library face).
+        #[arg(long)]
+        kill_owned_redis_pct: Option<u32>,
         /// Lease of every claim, ms.
         #[arg(long, default_value_t = 300)]
         lease_ms: u64,
@@ -174,6 +178,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             workers,
             kill_gate_pct,
             pause_pct,
+            kill_owned_redis_pct,
             lease_ms,
             dir,
             seed,
@@ -202,6 +207,10 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             cfg.workers = workers;
             cfg.kill_gate_pct = kill_gate_pct;
             cfg.pause_pct = pause_pct;
+            if let Some(pct) = kill_owned_redis_pct {
+                cfg.owned_redis = true;
+                cfg.kill_store_pct = pct;
+            }
             cfg.lease_ms = lease_ms;
             cfg.lin = !no_lin;
             eprintln!("torture run: files in {}", dir.display());
