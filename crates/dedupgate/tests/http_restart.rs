@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http_support::{request, serve, Server, TempDir};
+use http_support::{serve, try_request, Server, TempDir};
 use serde_json::{json, Value};
 
 fn embedded(dir: &TempDir) -> Server {
@@ -28,47 +28,54 @@ struct Acked {
 }
 
 const WRITERS: usize = 8;
+const ROUNDS: usize = 3;
 
 #[test]
 fn sigkill_under_load_keeps_every_acknowledged_key() {
     let dir = TempDir::new("http-sigkill");
-    let mut s = embedded(&dir);
-    let addr = s.addr;
     let acked: Arc<Mutex<Vec<Acked>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let writers: Vec<_> = (0..WRITERS)
-        .map(|w| {
-            let acked = acked.clone();
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    i += 1;
-                    // Writers alternate single claims, claim+complete, and 50-op batches.
-                    let result = std::panic::catch_unwind(|| match (w + i as usize) % 3 {
-                        0 => claim_one(addr, &format!("w{w}-{i}"), false),
-                        1 => claim_one(addr, &format!("w{w}-{i}"), true),
-                        _ => claim_batch(addr, &format!("w{w}-{i}")),
-                    });
-                    match result {
-                        Ok(done) => acked.lock().unwrap().extend(done),
-                        // The server died mid-request: that answer was never acknowledged.
-                        Err(_) => break,
+    // Three rounds: each server is killed while eight writers are mid-request.
+    for round in 0..ROUNDS {
+        let mut s = embedded(&dir);
+        let addr = s.addr;
+        let target = acked.lock().unwrap().len() + 1500;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let acked = acked.clone();
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        i += 1;
+                        let key = format!("r{round}-w{w}-{i}");
+                        // Writers alternate single claims, claim+complete, and 50-op batches. An
+                        // error means the server died mid-request: that answer was never
+                        // acknowledged.
+                        let result = match (w + i as usize) % 3 {
+                            0 => claim_one(addr, &key, false),
+                            1 => claim_one(addr, &key, true),
+                            _ => claim_batch(addr, &key),
+                        };
+                        match result {
+                            Ok(done) => acked.lock().unwrap().extend(done),
+                            Err(_) => break,
+                        }
                     }
-                }
+                })
             })
-        })
-        .collect();
-    http_support::eventually(60, "2000 acknowledged keys", || {
-        acked.lock().unwrap().len() >= 2000
-    });
-    s.kill9();
-    stop.store(true, Ordering::Relaxed);
-    for w in writers {
-        let _ = w.join();
+            .collect();
+        http_support::eventually(60, "1500 more acknowledged keys", || {
+            acked.lock().unwrap().len() >= target
+        });
+        s.kill9();
+        stop.store(true, Ordering::Relaxed);
+        for w in writers {
+            let _ = w.join();
+        }
     }
     let acked = acked.lock().unwrap().clone();
-    println!("{} keys acknowledged before SIGKILL", acked.len());
+    println!("{} keys acknowledged across {ROUNDS} SIGKILLs", acked.len());
 
     let s = embedded(&dir);
     for chunk in acked.chunks(1000) {
@@ -103,19 +110,19 @@ fn sigkill_under_load_keeps_every_acknowledged_key() {
     }
 }
 
+fn post(addr: std::net::SocketAddr, path: &str, body: &Value) -> std::io::Result<Value> {
+    let r = try_request(addr, "POST", path, &[], body.to_string().as_bytes())?;
+    assert_eq!(r.status, 200, "{path}: {}", r.text());
+    Ok(r.json())
+}
+
 /// One claim (and its completion when `complete`); the answers that came back are acknowledged.
-fn claim_one(addr: std::net::SocketAddr, key: &str, complete: bool) -> Vec<Acked> {
-    let r = request(
+fn claim_one(addr: std::net::SocketAddr, key: &str, complete: bool) -> std::io::Result<Vec<Acked>> {
+    let v = post(
         addr,
-        "POST",
         "/v1/claim",
-        &[],
-        json!({"namespace": "durable", "key": key})
-            .to_string()
-            .as_bytes(),
-    );
-    assert_eq!(r.status, 200);
-    let v = r.json();
+        &json!({"namespace": "durable", "key": key}),
+    )?;
     assert_eq!(v["outcome"], "new");
     let mut acked = Acked {
         key: key.to_owned(),
@@ -125,39 +132,24 @@ fn claim_one(addr: std::net::SocketAddr, key: &str, complete: bool) -> Vec<Acked
     };
     if complete {
         let body = json!({"namespace": "durable", "key": key, "token": v["token"], "result": "ok"});
-        // If the server dies here the claim is still acknowledged, in progress.
-        let done = std::panic::catch_unwind(|| {
-            let r = request(
-                addr,
-                "POST",
-                "/v1/complete",
-                &[],
-                body.to_string().as_bytes(),
-            );
-            r.status == 200
-        });
-        acked.completed = matches!(done, Ok(true));
-        acked.complete_unknown = !acked.completed;
+        // If the server dies here the claim is still acknowledged; the complete may or may not be.
+        match post(addr, "/v1/complete", &body) {
+            Ok(_) => acked.completed = true,
+            Err(_) => acked.complete_unknown = true,
+        }
     }
-    vec![acked]
+    Ok(vec![acked])
 }
 
-fn claim_batch(addr: std::net::SocketAddr, prefix: &str) -> Vec<Acked> {
+fn claim_batch(addr: std::net::SocketAddr, prefix: &str) -> std::io::Result<Vec<Acked>> {
     let keys: Vec<String> = (0..50).map(|j| format!("{prefix}-b{j}")).collect();
     let ops: Vec<Value> = keys
         .iter()
         .map(|k| json!({"op": "claim", "namespace": "durable", "key": k}))
         .collect();
-    let r = request(
-        addr,
-        "POST",
-        "/v1/batch",
-        &[],
-        json!({ "ops": ops }).to_string().as_bytes(),
-    );
-    assert_eq!(r.status, 200);
-    let v = r.json();
-    keys.into_iter()
+    let v = post(addr, "/v1/batch", &json!({ "ops": ops }))?;
+    Ok(keys
+        .into_iter()
         .zip(v["results"].as_array().unwrap())
         .map(|(key, item)| {
             assert_eq!(item["outcome"], "new", "{item}");
@@ -168,7 +160,7 @@ fn claim_batch(addr: std::net::SocketAddr, prefix: &str) -> Vec<Acked> {
                 complete_unknown: false,
             }
         })
-        .collect()
+        .collect())
 }
 
 #[test]

@@ -233,8 +233,20 @@ pub fn request(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Resp {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    try_request(addr, method, path, headers, body)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// Like [`request`], but a connection that fails or closes early is an error, not a panic.
+pub fn try_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<Resp> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let mut head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()
@@ -243,26 +255,33 @@ pub fn request(
         head.push_str(&format!("{k}: {v}\r\n"));
     }
     head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(head.as_bytes())?;
     // The server may answer (413) and close before it has read a huge body: ignore write errors.
     let _ = s.write_all(body);
-    read_response(&mut s)
+    try_read_response(&mut s)
 }
 
 /// Reads one HTTP/1.1 answer (Content-Length or read-to-close).
 pub fn read_response(s: &mut TcpStream) -> Resp {
+    try_read_response(s).unwrap_or_else(|e| panic!("reading the answer: {e}"))
+}
+
+fn closed(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what.to_owned())
+}
+
+/// Reads one answer; an early close is an error.
+pub fn try_read_response(s: &mut TcpStream) -> std::io::Result<Resp> {
     let mut raw = Vec::new();
     let mut buf = [0u8; 16 * 1024];
     let header_end = loop {
         if let Some(i) = find(&raw, b"\r\n\r\n") {
             break i;
         }
-        let n = s.read(&mut buf).expect("read answer");
-        assert!(
-            n > 0,
-            "connection closed before an answer: {:?}",
-            String::from_utf8_lossy(&raw)
-        );
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            return Err(closed("connection closed before an answer"));
+        }
         raw.extend_from_slice(&buf[..n]);
     };
     let head = String::from_utf8_lossy(&raw[..header_end]).into_owned();
@@ -271,7 +290,7 @@ pub fn read_response(s: &mut TcpStream) -> Resp {
         .next()
         .and_then(|l| l.split(' ').nth(1))
         .and_then(|s| s.parse().ok())
-        .expect("status line");
+        .ok_or_else(|| closed("no status line"))?;
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
@@ -284,21 +303,23 @@ pub fn read_response(s: &mut TcpStream) -> Resp {
     match len {
         Some(len) => {
             while body.len() < len {
-                let n = s.read(&mut buf).expect("read body");
-                assert!(n > 0, "connection closed mid-body");
+                let n = s.read(&mut buf)?;
+                if n == 0 {
+                    return Err(closed("connection closed mid-body"));
+                }
                 body.extend_from_slice(&buf[..n]);
             }
             body.truncate(len);
         }
         None => {
-            let _ = s.read_to_end(&mut body);
+            s.read_to_end(&mut body)?;
         }
     }
-    Resp {
+    Ok(Resp {
         status,
         headers,
         body,
-    }
+    })
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
