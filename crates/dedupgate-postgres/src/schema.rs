@@ -43,14 +43,25 @@ pub(crate) async fn migrate(client: &mut Client, options: &PgOptions) -> Result<
             .await
             .map_err(pg)?;
     }
-    tx.batch_execute(&format!(
-        "CREATE TABLE IF NOT EXISTS {s}.dedupgate_schema_version (
-             version    integer PRIMARY KEY,
-             applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-             applied_by text NOT NULL DEFAULT current_user)"
-    ))
-    .await
-    .map_err(pg)?;
+    let versioned = tx
+        .query_one(
+            "SELECT to_regclass($1::text) IS NOT NULL",
+            &[&format!("{s}.dedupgate_schema_version")],
+        )
+        .await
+        .map_err(pg)?
+        .get::<_, bool>(0);
+    if !versioned {
+        // Only when missing, for the same reason as the schema.
+        tx.batch_execute(&format!(
+            "CREATE TABLE {s}.dedupgate_schema_version (
+                 version    integer PRIMARY KEY,
+                 applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                 applied_by text NOT NULL DEFAULT current_user)"
+        ))
+        .await
+        .map_err(pg)?;
+    }
     let found: i32 = tx
         .query_one(
             &format!("SELECT coalesce(max(version), 0) FROM {s}.dedupgate_schema_version"),
