@@ -93,7 +93,12 @@ async fn gate(store: Arc<dyn Store>, ops: usize, batch: usize, label: &str) -> R
                         .map(|i| (RecordId::new(ns.clone(), format!("k{i}")).unwrap(), claim()))
                         .collect();
                     let t = Instant::now();
-                    let out = store.apply_batch(items).await;
+                    let out = if batch == 1 {
+                        let (id, op) = items.into_iter().next().expect("one op");
+                        vec![store.apply(id, op).await]
+                    } else {
+                        store.apply_batch(items).await
+                    };
                     lat.push(t.elapsed());
                     for r in out {
                         assert!(
@@ -159,9 +164,23 @@ fn main() {
         } else {
             cost("evalsha")
         };
+        let calls = stats
+            .lines()
+            .find(|l| {
+                l.starts_with(if name.starts_with("raw") {
+                    "cmdstat_set:"
+                } else {
+                    "cmdstat_evalsha:"
+                })
+            })
+            .and_then(|l| l.split("calls=").nth(1))
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
         server_us.push(format!(
-            "{name}: {:.1} µs of Redis command time per key",
-            busy_us / ops_of(&row, ops) as f64
+            "{name}: {:.1} µs of Redis command time per key, {:.1} keys per call",
+            busy_us / ops_of(&row, ops) as f64,
+            ops_of(&row, ops) as f64 / calls.max(1.0)
         ));
         row
     };

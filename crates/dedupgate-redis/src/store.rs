@@ -1,6 +1,7 @@
 //! [`RedisStore`]: the [`Store`] trait over one Redis server or a Redis Cluster.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -14,6 +15,7 @@ use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, Pipeline, Value};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::keys::{record_keys, RecordKeys};
 use crate::options::{cluster_nodes, redact, RedisOptions};
@@ -42,17 +44,73 @@ impl Conn {
 
 /// The gate's records in Redis. Every operation is one atomic Lua script judged on Redis's own
 /// clock; a batch is one pipeline (per slot on a cluster). See `docs/redis.md`.
+///
+/// On a single server, single operations from concurrent callers are coalesced: whatever queued
+/// while earlier calls were in flight goes out as one script call (each op still atomic, each
+/// caller still gets its own answer), so the per-call cost is shared under load and nothing
+/// waits for a batch to fill.
 pub struct RedisStore {
-    conn: Conn,
-    opts: RedisOptions,
-    script: redis::Script,
-    describe: String,
+    inner: Arc<Inner>,
+    queue: Option<mpsc::Sender<Job>>,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.describe)
+        f.write_str(&self.inner.describe)
     }
+}
+
+/// Most single operations waiting to be coalesced; callers wait when it is full.
+const QUEUE_OPS_MAX: usize = 4_096;
+/// Most coalesced calls in flight at once.
+const COALESCED_IN_FLIGHT_MAX: usize = 16;
+
+/// One caller's operation waiting to be coalesced.
+struct Job {
+    id: RecordId,
+    op: Op,
+    reply: oneshot::Sender<Result<Outcome, GateError>>,
+}
+
+/// Takes queued single operations and sends them as batches: each batch takes whatever queued
+/// while it waited for an in-flight slot (never waiting for more), up to one script call's worth.
+async fn coalesce(inner: Arc<Inner>, mut queue: mpsc::Receiver<Job>) {
+    let in_flight = Arc::new(Semaphore::new(COALESCED_IN_FLIGHT_MAX));
+    while let Some(first) = queue.recv().await {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let mut jobs = vec![first];
+        while jobs.len() < inner.opts.script_ops_max {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut replies = Vec::with_capacity(jobs.len());
+            let ops = jobs
+                .into_iter()
+                .map(|j| {
+                    replies.push(j.reply);
+                    (j.id, j.op)
+                })
+                .collect();
+            for (reply, answer) in replies.into_iter().zip(inner.decide_batch(ops).await) {
+                let _ = reply.send(answer);
+            }
+        });
+    }
+}
+
+/// The connection and what every call needs.
+struct Inner {
+    conn: Conn,
+    opts: RedisOptions,
+    script: redis::Script,
+    describe: String,
 }
 
 /// One valid operation on its way to the script.
@@ -114,21 +172,33 @@ impl RedisStore {
                 opts.wait_replicas, opts.wait_timeout_ms
             ));
         }
-        let store = Self {
+        let inner = Inner {
             conn,
             script: redis::Script::new(DECIDE_LUA),
             opts,
             describe,
         };
-        store.check_eviction_policy(&shown).await?;
-        Ok(store)
+        inner.check_eviction_policy(&shown).await?;
+        let inner = Arc::new(inner);
+        let queue = match inner.conn {
+            Conn::Single(_) => {
+                let (tx, rx) = mpsc::channel(QUEUE_OPS_MAX);
+                tokio::spawn(coalesce(inner.clone(), rx));
+                Some(tx)
+            }
+            // On a cluster, concurrent single ops mostly fall in different slots: nothing to share.
+            Conn::Cluster(_) => None,
+        };
+        Ok(Self { inner, queue })
     }
 
     /// The options in force.
     pub fn options(&self) -> &RedisOptions {
-        &self.opts
+        &self.inner.opts
     }
+}
 
+impl Inner {
     /// Refuses servers that may evict keys: an evicted record lets a duplicate through.
     async fn check_eviction_policy(&self, shown: &str) -> Result<(), OpenError> {
         if self.opts.assume_noeviction {
@@ -586,19 +656,36 @@ fn parse_record(id: &RecordId, f: &[Value]) -> Option<Record> {
 #[async_trait]
 impl Store for RedisStore {
     async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
-        self.decide_batch(vec![(id, op)])
+        if let Err(e) = op.validate() {
+            return Err(GateError::Invalid(e));
+        }
+        if let Some(queue) = &self.queue {
+            let (reply, answer) = oneshot::channel();
+            if queue.send(Job { id, op, reply }).await.is_ok() {
+                return answer.await.unwrap_or_else(|_| {
+                    Err(GateError::Store(StoreError::Unavailable(
+                        "the coalescing task stopped".to_owned(),
+                    )))
+                });
+            }
+            return Err(GateError::Store(StoreError::Unavailable(
+                "the coalescing task stopped".to_owned(),
+            )));
+        }
+        self.inner
+            .decide_batch(vec![(id, op)])
             .await
             .pop()
             .unwrap_or_else(|| Err(GateError::Invalid(InvalidInput::new("op", "no answer"))))
     }
 
     async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
-        self.decide_batch(ops).await
+        self.inner.decide_batch(ops).await
     }
 
     async fn health(&self) -> Result<(), StoreError> {
         let cmd = redis::cmd("PING");
-        let r = match &self.conn {
+        let r = match &self.inner.conn {
             Conn::Single(c) => c.clone().req_packed_command(&cmd).await,
             Conn::Cluster(c) => {
                 let routing = RoutingInfo::MultiNode((
@@ -621,6 +708,6 @@ impl Store for RedisStore {
     }
 
     fn describe(&self) -> String {
-        self.describe.clone()
+        self.inner.describe.clone()
     }
 }
