@@ -14,11 +14,13 @@
 //! - [`runner`]: the orchestrator that starts gate and worker processes and fires faults
 //!   (SIGKILL, SIGSTOP/SIGCONT), counting each, then drains and checks.
 //! - [`oracle`]: the checks I1-I5 of issue 7 over the ledger and the answer logs.
+//! - [`failover`]: the loss of a Redis failover (primary SIGKILLed, replica promoted), measured.
 //! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
 //!
 //! Every randomized run prints its seed and replays from it.
 
 pub mod faces;
+pub mod failover;
 pub mod history;
 pub mod ledger;
 pub mod lin;

@@ -163,3 +163,15 @@ async fn oracles_see_what_a_forgetful_gate_loses() {
         r.config.seed
     );
 }
+
+/// With `wait_replicas=1` the gate answers only what the replica has: a promoted replica has
+/// every acknowledged mark even when it was stalled before its primary was SIGKILLed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_failover_with_wait_replicas_loses_nothing_acknowledged() {
+    let r = dedupgate_torture::failover::measure(1, 8, 1500, 700)
+        .await
+        .expect("the failover could be measured");
+    eprintln!("{r:?}");
+    assert!(r.acknowledged > 0, "{r:?}");
+    assert_eq!(r.lost, 0, "{r:?}");
+}

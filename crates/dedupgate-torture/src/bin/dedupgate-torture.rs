@@ -114,6 +114,28 @@ enum Cmd {
         #[arg(long)]
         report: Option<PathBuf>,
     },
+    /// Measures the loss of a Redis failover: a primary acknowledging marks under load is
+    /// SIGKILLed and its replica promoted; acknowledged marks missing there are lost.
+    Failover {
+        /// Measurements.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// `wait_replicas` of the gate (0: asynchronous replication, 1: WAIT for the replica).
+        #[arg(long, default_value_t = 0)]
+        wait_replicas: u32,
+        /// Concurrent writers.
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+        /// Load before the kill, ms.
+        #[arg(long, default_value_t = 1000)]
+        load_ms: u64,
+        /// SIGSTOP the replica for the last this-many ms before the kill (a lagging replica).
+        #[arg(long, default_value_t = 0)]
+        replica_stall_ms: u64,
+        /// Append each measurement (one JSON line) to this file.
+        #[arg(long)]
+        report: Option<PathBuf>,
+    },
     /// One worker process (started by `run`).
     Worker {
         /// STORE it talks to.
@@ -294,6 +316,36 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             } else {
                 ExitCode::from(1)
             })
+        }
+        Cmd::Failover {
+            rounds,
+            wait_replicas,
+            clients,
+            load_ms,
+            replica_stall_ms,
+            report: report_file,
+        } => {
+            let (mut acked, mut lost) = (0, 0);
+            for _ in 0..rounds {
+                let r = dedupgate_torture::failover::measure(
+                    wait_replicas,
+                    clients,
+                    load_ms,
+                    replica_stall_ms,
+                )
+                .await?;
+                println!(
+                    "failover wait_replicas={} replica_stall_ms={}: {} acknowledged, {} lost, {} unavailable",
+                    r.wait_replicas, r.replica_stall_ms, r.acknowledged, r.lost, r.unavailable
+                );
+                acked += r.acknowledged;
+                lost += r.lost;
+                if let Some(f) = &report_file {
+                    append_line(f, &serde_json::json!({"kind": "failover", "report": r}))?;
+                }
+            }
+            println!("failover wait_replicas={wait_replicas} replica_stall_ms={replica_stall_ms}: {rounds} rounds, {acked} acknowledged, {lost} lost");
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Summarize { file } => {
             println!("{}", summarize(&std::fs::read_to_string(file)?));
