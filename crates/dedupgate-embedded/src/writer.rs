@@ -88,7 +88,7 @@ fn engine_store_error(e: &EngineError) -> StoreError {
 
 enum Reply {
     One(oneshot::Sender<Answer>),
-    Many(oneshot::Sender<Vec<Answer>>, usize),
+    Many(oneshot::Sender<Vec<Answer>>),
 }
 
 /// One id's state within a batch.
@@ -181,15 +181,16 @@ impl Writer {
 
     fn commit_batch(&mut self, pending: &mut Vec<Request>) {
         let mut ops: Vec<(RecordId, Op)> = Vec::new();
-        let mut replies: Vec<Reply> = Vec::with_capacity(pending.len());
+        // Each reply with how many ops it answers; `None` once answered early.
+        let mut replies: Vec<(usize, Option<Reply>)> = Vec::with_capacity(pending.len());
         for r in pending.drain(..) {
             match r {
                 Request::One { id, op, reply } => {
                     ops.push((id, op));
-                    replies.push(Reply::One(reply));
+                    replies.push((1, Some(Reply::One(reply))));
                 }
                 Request::Many { ops: many, reply } => {
-                    replies.push(Reply::Many(reply, many.len()));
+                    replies.push((many.len(), Some(Reply::Many(reply))));
                     ops.extend(many);
                 }
                 Request::Sweep { .. } | Request::Stats { .. } => {
@@ -199,39 +200,67 @@ impl Writer {
         }
         let n_ops = ops.len();
         let now_ms = self.clock.now_ms();
-        let mut answers: Vec<Answer> = Vec::with_capacity(n_ops);
+        let mut answers: Vec<Option<Answer>> = Vec::with_capacity(n_ops);
         let engine = self.engine.as_mut().expect("checked by the caller");
         let result = engine.write(&mut |txn: &mut dyn Txn| {
+            let mut decided = Vec::with_capacity(n_ops);
+            let commit = decide_all(txn, ops.drain(..), now_ms, &mut decided)?;
             answers.clear();
-            decide_all(txn, ops.drain(..), now_ms, &mut answers)
+            let mut settled = Vec::with_capacity(n_ops);
+            for (answer, s) in decided {
+                answers.push(Some(answer));
+                settled.push(s);
+            }
+            let mut at = 0;
+            for (n, reply) in replies.iter_mut() {
+                // An answer that read only state an earlier commit made durable (a duplicate, a
+                // refusal, a get) and changed nothing needs no sync: send it now, so duplicates
+                // batched with new claims do not wait for the new claims' fdatasync.
+                if settled[at] && matches!(reply, Some(Reply::One(_))) {
+                    if let (Some(Reply::One(tx)), Some(answer)) = (reply.take(), answers[at].take())
+                    {
+                        let _ = tx.send(answer);
+                    }
+                }
+                at += *n;
+            }
+            Ok(commit)
         });
-        let mut answers = answers.into_iter();
         match result {
             Ok(()) => {
                 self.shared.commits_total.fetch_add(1, Ordering::Relaxed);
                 debug_assert_eq!(answers.len(), n_ops);
-                for reply in replies {
+                let mut at = 0;
+                for (n, reply) in replies {
+                    let mine = &mut answers[at..at + n];
+                    at += n;
                     match reply {
-                        Reply::One(tx) => {
-                            let _ = tx.send(answers.next().expect("one answer per op"));
+                        Some(Reply::One(tx)) => {
+                            let _ = tx.send(mine[0].take().expect("one answer per op"));
                         }
-                        Reply::Many(tx, n) => {
-                            let _ = tx.send(answers.by_ref().take(n).collect());
+                        Some(Reply::Many(tx)) => {
+                            let _ = tx.send(
+                                mine.iter_mut()
+                                    .map(|a| a.take().expect("one answer per op"))
+                                    .collect(),
+                            );
                         }
+                        None => {}
                     }
                 }
             }
             Err(e) => {
                 self.fail(&e);
                 let err = || Err(GateError::Store(engine_store_error(&e)));
-                for reply in replies {
+                for (n, reply) in replies {
                     match reply {
-                        Reply::One(tx) => {
+                        Some(Reply::One(tx)) => {
                             let _ = tx.send(err());
                         }
-                        Reply::Many(tx, n) => {
+                        Some(Reply::Many(tx)) => {
                             let _ = tx.send((0..n).map(|_| err()).collect());
                         }
+                        None => {}
                     }
                 }
             }
@@ -356,12 +385,13 @@ fn request_ops(r: &Request) -> usize {
     }
 }
 
-/// Decides `ops` in order inside `txn` and stages every change. Returns whether to commit.
+/// Decides `ops` in order inside `txn` and stages every change. Each answer comes with whether it
+/// is settled (needs no sync). Returns whether to commit.
 fn decide_all(
     txn: &mut dyn Txn,
     ops: impl Iterator<Item = (RecordId, Op)>,
     now_ms: u64,
-    answers: &mut Vec<Answer>,
+    answers: &mut Vec<(Answer, bool)>,
 ) -> Result<bool, EngineError> {
     let mut slots: HashMap<Vec<u8>, Slot> = HashMap::new();
     let mut id_buf = Vec::with_capacity(64);
@@ -403,15 +433,19 @@ fn decide_all(
         };
         if let Some(why) = &slot.corrupt {
             // Never "absent": a corrupt entry might hold a claim; an operator must look.
-            answers.push(Err(StoreError::Corrupt(why.clone()).into()));
+            answers.push((Err(StoreError::Corrupt(why.clone()).into()), true));
             continue;
         }
         let decision = decide(&id, op, slot.current.as_ref(), now_ms, Token::generate);
+        // Settled: the answer rests only on durable state (nothing in this batch touched the id)
+        // and changes nothing, so it may be sent before this batch's sync.
+        let mut settled = !slot.dirty;
         if let Change::Put(entry) = decision.change {
             slot.current = Some(entry);
             slot.dirty = true;
+            settled = false;
         }
-        answers.push(decision.answer);
+        answers.push((decision.answer, settled));
     }
     let mut any = false;
     let mut added = 0u64;

@@ -127,6 +127,7 @@ fn sigkill_at_random_moments_loses_no_acknowledged_key() {
     let started = Instant::now();
     let mut kills_after_ready = 0;
     for iter in 0..iters {
+        let iter_started = Instant::now();
         let mut child = Command::new(&exe)
             .args([
                 "--exact",
@@ -180,7 +181,7 @@ fn sigkill_at_random_moments_loses_no_acknowledged_key() {
                 .recv_timeout(Duration::from_secs(30))
                 .expect("child never became ready");
             kills_after_ready += 1;
-            std::thread::sleep(Duration::from_millis(rng.gen_range(5..250)));
+            std::thread::sleep(Duration::from_millis(rng.gen_range(2..150)));
         }
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
@@ -199,6 +200,7 @@ fn sigkill_at_random_moments_loses_no_acknowledged_key() {
             };
             this_run.insert(key, acked);
         }
+        let killed_after = iter_started.elapsed();
         let store = EmbeddedStore::open(&dir, EmbeddedOptions::default())
             .unwrap_or_else(|e| panic!("seed {seed} iter {iter}: the store did not reopen: {e}"));
         rt.block_on(async {
@@ -213,9 +215,11 @@ fn sigkill_at_random_moments_loses_no_acknowledged_key() {
         });
         drop(store);
         eprintln!(
-            "iter {iter}: {} acknowledged keys checked ({} lines)",
+            "iter {iter}: {} acknowledged keys checked ({} lines); killed after {killed_after:?}, \
+             checked after {:?}",
             this_run.len(),
-            lines.len()
+            lines.len(),
+            iter_started.elapsed()
         );
         all.extend(this_run);
     }
