@@ -794,7 +794,15 @@ async fn concurrent_claims_one_new_per_key(h: &dyn Harness) {
                 // Each task walks the keys from a different start to overlap differently.
                 let key = format!("k{}", (k + t * 7) % keys);
                 let id = RecordId::new(ns.clone(), key.clone()).unwrap();
-                match store.apply(id, claim_op(None, None)).await {
+                // A long lease: on a loaded machine 2,560 claims may outlast a short one, and a
+                // takeover after the lease is a legitimate second "new".
+                let op = Op::Claim {
+                    ttl_ms: 600_000,
+                    lease_ms: 600_000,
+                    fingerprint: None,
+                    owner: None,
+                };
+                match store.apply(id, op).await {
                     Ok(Outcome::Claimed(Claim::New(l))) => news.push((key, l.fence)),
                     Ok(Outcome::Claimed(Claim::Duplicate { .. })) => {}
                     other => panic!("concurrent claim: {other:?}"),
