@@ -412,3 +412,86 @@ fn cli_api_subcommands_against_the_server() {
     assert_ne!(code, 0);
     assert!(err.contains("--server"), "{err}");
 }
+
+/// A redis-server of our own on a free port (killed on drop), so the test can take it away.
+struct OwnRedis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl OwnRedis {
+    fn start(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed");
+        eventually(20, "redis-server to accept connections", || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        Self { child, port }
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[test]
+fn unavailable_while_the_store_is_down_and_back_after() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut redis = OwnRedis::start(port);
+    let store = format!("redis://127.0.0.1:{}", redis.port);
+    let s = serve(&["--store", &store]);
+    assert_eq!(s.get("/healthz").status, 200);
+    let claim = json!({"namespace": "down", "key": "k"});
+    assert_eq!(s.post_json("/v1/claim", &claim).status, 200);
+
+    redis.stop();
+    let health = s.get("/healthz");
+    health.assert_problem(503, "unavailable");
+    assert_eq!(health.header("retry-after"), Some("1"));
+    s.post_json("/v1/claim", &json!({"namespace": "down", "key": "other"}))
+        .assert_problem(503, "unavailable");
+    let batch = s.post_json(
+        "/v1/batch",
+        &json!({"ops": [{"op": "claim", "namespace": "down", "key": "b"}]}),
+    );
+    assert_eq!(batch.status, 200, "{}", batch.text());
+    assert_eq!(batch.json()["results"][0]["error"]["code"], "unavailable");
+    assert!(
+        s.log().contains("could not decide"),
+        "one log line per store error:\n{}",
+        s.log()
+    );
+
+    // A fresh Redis on the same port (empty: ours kept nothing): the gate answers again.
+    let _redis = OwnRedis::start(port);
+    eventually(30, "healthz to recover", || s.get("/healthz").status == 200);
+    eventually(30, "claims to be decided again", || {
+        s.post_json("/v1/claim", &json!({"namespace": "down", "key": "after"}))
+            .status
+            == 200
+    });
+}
