@@ -4,18 +4,19 @@
 #   2. first:  POST through the proxy, every request with a new Idempotency-Key (claim, forward,
 #              store the response, answer);
 #   3. replay: POST through the proxy, every request with the same key (answered from the store).
-# Each scenario runs twice: few connections (latency: what the proxy adds to p50) and many
-# connections (throughput). Prints a Markdown table (also written to $OUT, default
+# Each scenario runs with few connections (latency: what the proxy adds to p50) and with many
+# (throughput), in interleaved rounds. Prints a Markdown table (also written to $OUT, default
 # target/bench-proxy.md).
 #
 # Usage: scripts/bench-proxy.sh [STORE]      (STORE: memory: by default; e.g. embedded:DIR,
 #                                             redis://127.0.0.1:6379)
-# Env: DURATION (default 10s), LAT_CONNS (4), TPUT_CONNS (64), THREADS (2), SKIP_BUILD=1.
+# Env: DURATION (default 5s), ROUNDS (3), LAT_CONNS (4), TPUT_CONNS (64), THREADS (2), SKIP_BUILD=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STORE="${1:-memory:}"
-DURATION="${DURATION:-10s}"
+DURATION="${DURATION:-5s}"
+ROUNDS="${ROUNDS:-3}"
 LAT_CONNS="${LAT_CONNS:-4}"
 TPUT_CONNS="${TPUT_CONNS:-64}"
 THREADS="${THREADS:-2}"
@@ -99,7 +100,8 @@ run() {
   rps="$(echo "$out" | awk '/^Requests\/sec/{printf "%.0f", $2}')"
   non2xx="$(echo "$out" | awk '/Non-2xx/{print $NF}')"
   errs="$(echo "$out" | awk '/Socket errors/{print $0}')"
-  echo "$(to_ms "$p50") $(to_ms "$p99") $rps ${non2xx:-0}${errs:+ ($errs)}"
+  [ -n "$errs" ] && echo "wrk: $errs" >&2
+  echo "$(to_ms "$p50") $(to_ms "$p99") $rps ${non2xx:-0}"
 }
 
 # wrk prints 512.00us / 1.20ms / 2.00s
@@ -116,23 +118,36 @@ PX="http://127.0.0.1:$PX_PORT/v1/charges"
 # Store the replayed response once.
 curl -s -o /dev/null -X POST "$PX" -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay' --data "$BODY"
 
-rows=()
+# Interleaved rounds, so background load on a shared machine hits every scenario alike; the
+# table shows each figure's median over the rounds.
+median() { sort -n | awk '{v[NR]=$1} END{ if (NR==0) print "-"; else print v[int((NR+1)/2)] }'; }
 for conns in "$LAT_CONNS" "$TPUT_CONNS"; do
-  d="$(run "$conns" -s "$WORK/post.lua" "$UP")"
-  f="$(run "$conns" -s "$WORK/unique.lua" "$PX" -- "c$conns-$$-$RANDOM")"
-  r="$(run "$conns" -s "$WORK/post.lua" -H 'Idempotency-Key: bench-replay' "$PX")"
-  rows+=("$conns|direct to upstream|$d" "$conns|proxy, first requests|$f" "$conns|proxy, replays|$r")
+  for round in $(seq 1 "$ROUNDS"); do
+    run "$conns" -s "$WORK/post.lua" "$UP" >>"$WORK/direct-$conns"
+    run "$conns" -s "$WORK/unique.lua" "$PX" -- "c$conns-r$round-$$-$RANDOM" >>"$WORK/first-$conns"
+    run "$conns" -s "$WORK/post.lua" -H 'Idempotency-Key: bench-replay' "$PX" >>"$WORK/replay-$conns"
+  done
 done
 
 {
-  echo "store: \`$STORE\`; wrk -t$THREADS -d$DURATION; $(nproc) cores; $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "store: \`$STORE\`; wrk -t$THREADS -d$DURATION, median of $ROUNDS interleaved rounds; $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
-  echo "| connections | scenario | p50 ms | p99 ms | requests/s | non-2xx |"
-  echo "|---:|---|---:|---:|---:|---|"
-  for row in "${rows[@]}"; do
-    IFS='|' read -r c name rest <<<"$row"
-    read -r p50 p99 rps non <<<"$rest"
-    echo "| $c | $name | $p50 | $p99 | $rps | $non |"
+  echo "| connections | scenario | p50 ms | p99 ms | requests/s | non-2xx (all rounds) |"
+  echo "|---:|---|---:|---:|---:|---:|"
+  for conns in "$LAT_CONNS" "$TPUT_CONNS"; do
+    for sc in direct first replay; do
+      f="$WORK/$sc-$conns"
+      case "$sc" in
+        direct) name="direct to upstream" ;;
+        first) name="proxy, first requests" ;;
+        replay) name="proxy, replays" ;;
+      esac
+      p50="$(awk '{print $1}' "$f" | median)"
+      p99="$(awk '{print $2}' "$f" | median)"
+      rps="$(awk '{print $3}' "$f" | median)"
+      non="$(awk '{s+=$4} END{print s+0}' "$f")"
+      echo "| $conns | $name | $p50 | $p99 | $rps | $non |"
+    done
   done
 } | tee "$OUT"
 grep -c . "$WORK/proxy.log" >/dev/null && { echo; echo "proxy log (last lines):"; tail -n 5 "$WORK/proxy.log"; } || true

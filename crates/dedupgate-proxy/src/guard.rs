@@ -289,8 +289,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for FramingGuard<T> {
                         this.give_up();
                         continue;
                     }
-                    let input = this.scratch[..n].to_vec();
-                    this.feed(&input);
+                    // Feed from the scratch buffer without copying it: lend it out meanwhile.
+                    let scratch = std::mem::take(&mut this.scratch);
+                    this.feed(&scratch[..n]);
+                    this.scratch = scratch;
                 }
             }
         }

@@ -132,8 +132,8 @@ impl StoredResponse {
         aad: &[u8],
     ) -> Result<Self, StoredError> {
         let plain: Plain = if value.get("sealed").is_some() {
-            let sealed: Sealed = serde_json::from_value(value.clone())
-                .map_err(|e| StoredError::Malformed(e.to_string()))?;
+            let sealed =
+                Sealed::deserialize(value).map_err(|e| StoredError::Malformed(e.to_string()))?;
             if sealed.sealed != ALGORITHM {
                 return Err(StoredError::Sealed(format!(
                     "unknown algorithm {:?}",
@@ -146,8 +146,8 @@ impl StoredResponse {
             let text = sealer.open(&sealed.nonce, &sealed.ct, aad)?;
             serde_json::from_slice(&text).map_err(|e| StoredError::Malformed(e.to_string()))?
         } else {
-            serde_json::from_value(value.clone())
-                .map_err(|e| StoredError::Malformed(e.to_string()))?
+            // Deserialized from the borrowed value: a replay copies the stored response once.
+            Plain::deserialize(value).map_err(|e| StoredError::Malformed(e.to_string()))?
         };
         if plain.v != VERSION {
             return Err(StoredError::Malformed(format!(
