@@ -72,7 +72,10 @@ async fn conformance_redis_over_redis() {
     let durable = RedisStore::open(&format!("{url}?key_prefix=dgtier-durable"))
         .await
         .unwrap();
-    let tier = Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)));
+    // A generous fast-store timeout: on a loaded machine the default 100 ms could turn every
+    // lookup into a miss, and this test wants to see hits.
+    let tier =
+        Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)).with_fast_timeout_ms(2_000));
     run_all(&RealTime(tier.clone())).await;
     assert!(tier.counters().hits.load(Ordering::Relaxed) > 0);
 }
@@ -95,7 +98,8 @@ async fn flushing_or_losing_the_fast_store_lets_no_duplicate_through() {
     let durable = RedisStore::open(&format!("{}?key_prefix=dgtier-flush", shared_redis_url()))
         .await
         .unwrap();
-    let tier = Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)));
+    let tier =
+        Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)).with_fast_timeout_ms(2_000));
     let ns = format!("tierflush.{seed:x}");
     let keys = 150usize;
     let passes = 6usize;
