@@ -582,9 +582,10 @@ async fn forwarding_headers_and_host() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_is_renewed_while_the_upstream_works() {
-    // A lease much shorter than the upstream's work: renewal must keep a retry out.
+    // A lease much shorter than the upstream's work (600 ms vs 2.5 s): without renewal a
+    // duplicate after 600 ms would take the key over and run it again.
     let config = IdempotencyConfig {
-        lease_ms: 150,
+        lease_ms: 600,
         ..IdempotencyConfig::default()
     };
     let h = start(config).await;
@@ -595,7 +596,7 @@ async fn the_lease_is_renewed_while_the_upstream_works() {
                 &client,
                 addr,
                 Method::POST,
-                "/slow?delay_ms=900",
+                "/slow?delay_ms=2500",
                 &[("idempotency-key", "k-lease")],
                 "x",
             )
@@ -603,11 +604,11 @@ async fn the_lease_is_renewed_while_the_upstream_works() {
         })
     };
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
         let dup = h
             .send(
                 Method::POST,
-                "/slow?delay_ms=900",
+                "/slow?delay_ms=2500",
                 &[("idempotency-key", "k-lease")],
                 "x",
             )
