@@ -283,16 +283,16 @@ impl Inner {
             let values = match self.conn.pipeline(&pipe, count).await {
                 Ok(values) if values.len() == count => values,
                 Ok(values) => {
-                    let e = StoreError::Unavailable(format!(
+                    let why = format!(
                         "redis answered {} replies to a pipeline of {count}",
                         values.len()
-                    ));
-                    return fail_all(answers, &e);
+                    );
+                    return fail_all(answers, &why);
                 }
                 Err(e) if is_noscript(&e) && attempt == 0 => {
                     continue; // every call of the pipeline missed the script: reload and resend
                 }
-                Err(e) => return fail_all(answers, &StoreError::unavailable(e)),
+                Err(e) => return fail_all(answers, &e.to_string()),
             };
             let mut values = values.into_iter().skip(skip);
             let mut missed = Vec::new();
@@ -318,13 +318,13 @@ impl Inner {
         }
         if let Some(acked) = wait_acked {
             if acked < i64::from(self.opts.wait_replicas) {
-                let e = StoreError::Unavailable(format!(
+                let why = format!(
                     "only {} of {} replicas acknowledged the write within {} ms (WAIT)",
                     acked.max(0),
                     self.opts.wait_replicas,
                     self.opts.wait_timeout_ms
-                ));
-                return fail_all(answers, &e);
+                );
+                return fail_all(answers, &why);
             }
         }
         answers
@@ -355,11 +355,11 @@ impl Inner {
                     }
                 }
                 Err(e) => {
-                    let msg = e.to_string();
                     for p in chunk {
                         let err = match &e {
-                            StoreError::Corrupt(_) => StoreError::Corrupt(msg.clone()),
-                            _ => StoreError::Unavailable(msg.clone()),
+                            StoreError::Corrupt(why) => StoreError::Corrupt(why.clone()),
+                            StoreError::Unavailable(why) => StoreError::Unavailable(why.clone()),
+                            other => StoreError::Unavailable(other.to_string()),
                         };
                         out.push((p.index, Err(GateError::Store(err))));
                     }
@@ -421,13 +421,14 @@ impl Inner {
     }
 }
 
+/// Every call of a pipeline answered `unavailable` for the same reason.
 fn fail_all(
     answers: Vec<Option<Result<Value, StoreError>>>,
-    e: &StoreError,
+    why: &str,
 ) -> Vec<Result<Value, StoreError>> {
     answers
         .into_iter()
-        .map(|_| Err(StoreError::Unavailable(e.to_string())))
+        .map(|_| Err(StoreError::Unavailable(why.to_owned())))
         .collect()
 }
 
