@@ -6,7 +6,8 @@
 //!   reconnecting [`redis::aio::ConnectionManager`]) or a cluster (`redis+cluster://h:p,…`).
 //!   Every operation is one run of the Lua script [`DECIDE_LUA`], which re-expresses
 //!   [`dedupgate_core::decide`] on Redis's own clock (`TIME`, `PXAT`); a batch is one pipeline
-//!   of script calls (one per slot on a cluster).
+//!   of script calls (one per slot on a cluster), and on a single server concurrent single
+//!   operations are coalesced into shared script calls.
 //! - [`RedisOptions`]: durability (`WAIT` replicas), key prefix and timeouts, read from the URL's
 //!   query string.
 //! - [`keys`]: the key layout — a record and its fence keeper share one hash tag.
