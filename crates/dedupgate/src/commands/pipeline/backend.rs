@@ -41,8 +41,12 @@ pub enum Backend {
 
 /// True when an error says the store directory is locked by another process.
 fn is_locked(e: &anyhow::Error) -> bool {
-    e.chain()
-        .any(|c| c.to_string().contains("in use by another process"))
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<dedupgate_embedded::OpenError>(),
+            Some(dedupgate_embedded::OpenError::Locked { .. })
+        )
+    })
 }
 
 async fn open_waiting(spec: &StoreSpec, lock_wait_ms: u64) -> anyhow::Result<Arc<dyn Store>> {
