@@ -9,6 +9,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -19,6 +20,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::Notify;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -37,6 +39,31 @@ const COMPLETE_ATTEMPTS_MAX: u32 = 3;
 struct Shared {
     store: Arc<dyn Store>,
     config: IdempotencyConfig,
+    in_flight: InFlight,
+}
+
+/// Counts gated requests between claim and complete/release, including those whose caller hung
+/// up, so a shutdown can let them finish instead of leaving their claims to the lease.
+#[derive(Default)]
+struct InFlight {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+/// One gated request in flight; dropping it ends it.
+struct InFlightGuard(Arc<Shared>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0.in_flight.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.in_flight.idle.notify_waiters();
+        }
+    }
+}
+
+fn enter(shared: &Arc<Shared>) -> InFlightGuard {
+    shared.in_flight.count.fetch_add(1, Ordering::AcqRel);
+    InFlightGuard(shared.clone())
 }
 
 /// Gives the wrapped service Idempotency-Key semantics over a dedupgate [`Store`].
@@ -63,13 +90,37 @@ impl IdempotencyLayer {
     pub fn new(store: Arc<dyn Store>, config: IdempotencyConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         Ok(Self {
-            shared: Arc::new(Shared { store, config }),
+            shared: Arc::new(Shared {
+                store,
+                config,
+                in_flight: InFlight::default(),
+            }),
         })
     }
 
     /// The configuration in force.
     pub fn config(&self) -> &IdempotencyConfig {
         &self.shared.config
+    }
+
+    /// Gated requests between their claim and their complete or release right now.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight.count.load(Ordering::Acquire)
+    }
+
+    /// Resolves once no gated request is in flight (callers who hung up included).
+    pub async fn idle(&self) {
+        let f = &self.shared.in_flight;
+        loop {
+            let notified = f.idle.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a wake-up between the two is not missed.
+            notified.as_mut().enable();
+            if f.count.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
     }
 }
 
@@ -222,7 +273,12 @@ where
     // From the claim on, the work runs in its own task: if the caller hangs up, the upstream
     // call still finishes and its response is still stored (or the claim released), so the
     // caller's retry is replayed rather than executed again.
-    match tokio::spawn(gated(shared.clone(), inner, id, fp, req)).await {
+    let guard = enter(&shared);
+    let task = async move {
+        let _guard = guard;
+        gated(shared, inner, id, fp, req).await
+    };
+    match tokio::spawn(task).await {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "idempotency task failed");

@@ -64,6 +64,7 @@ impl ProxyConfig {
 /// A bound, not yet running proxy.
 pub struct ProxyServer {
     listener: TcpListener,
+    layer: IdempotencyLayer,
     service: IdempotencyService<Upstream>,
     connections: Arc<Semaphore>,
     request_bytes_max: u64,
@@ -91,6 +92,7 @@ impl ProxyServer {
         Ok(Self {
             listener,
             service: layer.layer(upstream),
+            layer,
             connections: Arc::new(Semaphore::new(config.connections_max.max(1))),
             request_bytes_max,
             header_read_timeout: Duration::from_millis(config.header_read_timeout_ms.max(1)),
@@ -145,11 +147,20 @@ impl ProxyServer {
             });
         }
         tracing::info!("proxy shutting down; letting in-flight requests finish");
-        if tokio::time::timeout(self.shutdown_grace, graceful.shutdown())
+        // Connections first, then gated requests whose callers hung up: their responses are
+        // still stored (or their claims released) so a retry is answered, not left to the lease.
+        let drained = async {
+            graceful.shutdown().await;
+            self.layer.idle().await;
+        };
+        if tokio::time::timeout(self.shutdown_grace, drained)
             .await
             .is_err()
         {
-            tracing::warn!("shutdown grace ran out with requests still in flight");
+            tracing::warn!(
+                in_flight = self.layer.in_flight(),
+                "shutdown grace ran out with requests still in flight; their leases will expire"
+            );
         }
         Ok(())
     }

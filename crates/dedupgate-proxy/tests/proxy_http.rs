@@ -622,3 +622,33 @@ async fn the_lease_is_renewed_while_the_upstream_works() {
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(h.api.counts.of("k-lease"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_requests_whose_caller_hung_up_finish_and_store() {
+    let h = start(IdempotencyConfig::default()).await;
+    let ns = h_namespace();
+    let mut s = tokio::net::TcpStream::connect(h.proxy).await.unwrap();
+    s.write_all(b"POST /slow?delay_ms=700 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-drain\r\nContent-Length: 1\r\n\r\nx")
+        .await
+        .unwrap();
+    assert!(eventually(5, || h.api.counts.of("k-drain") == 1).await);
+    drop(s);
+    let store = h.shutdown().await;
+    let key = record_key(&caller_scope(None), &Method::POST, "/slow", "k-drain");
+    let got = store
+        .apply(RecordId::new(ns, key).unwrap(), Op::Get)
+        .await
+        .unwrap();
+    let Outcome::Found(Some(record)) = got else {
+        panic!("record kept: {got:?}")
+    };
+    assert_eq!(
+        record.state,
+        dedupgate_core::State::Completed,
+        "the server stopped only after the hung-up request's response was stored"
+    );
+}
+
+fn h_namespace() -> String {
+    IdempotencyConfig::default().namespace
+}

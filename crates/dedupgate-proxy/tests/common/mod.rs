@@ -23,7 +23,8 @@ pub struct Harness {
     pub proxy: SocketAddr,
     pub store: Arc<MemoryStore>,
     pub client: Client<HttpConnector, Full<Bytes>>,
-    _stop: tokio::sync::oneshot::Sender<()>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    run: tokio::task::JoinHandle<Result<(), dedupgate_proxy::ServeError>>,
 }
 
 pub async fn start(config: IdempotencyConfig) -> Harness {
@@ -47,7 +48,7 @@ pub async fn start_with(
         .unwrap();
     let proxy = server.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server.run(async move {
+    let run = tokio::spawn(server.run(async move {
         let _ = rx.await;
     }));
     Harness {
@@ -55,7 +56,8 @@ pub async fn start_with(
         proxy,
         store,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        _stop: tx,
+        stop: tx,
+        run,
     }
 }
 
@@ -84,6 +86,13 @@ impl Reply {
 }
 
 impl Harness {
+    /// Asks the proxy to shut down and waits until `run` returns.
+    pub async fn shutdown(self) -> Arc<MemoryStore> {
+        let _ = self.stop.send(());
+        self.run.await.unwrap().unwrap();
+        self.store
+    }
+
     pub async fn send(
         &self,
         method: Method,
