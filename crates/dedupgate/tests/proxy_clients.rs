@@ -184,9 +184,25 @@ fn python_with_requests() -> Option<&'static str> {
         return Some("python3");
     }
     eprintln!("python3 lacks requests; trying pip install --user requests");
-    let _ = Command::new("python3")
-        .args(["-m", "pip", "install", "--quiet", "--user", "requests"])
-        .status();
+    let pip = [
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--user",
+        "--timeout",
+        "10",
+        "--retries",
+        "1",
+    ];
+    let _ = Command::new("python3").args(pip).arg("requests").status();
+    if !has("python3") {
+        // Debian's python3 refuses --user installs unless told (PEP 668).
+        let _ = Command::new("python3")
+            .args(pip)
+            .args(["--break-system-packages", "requests"])
+            .status();
+    }
     has("python3").then_some("python3")
 }
 
