@@ -3,7 +3,7 @@
 //!
 //! - [`open`]: a store from a STORE string. It accepts the forms of `dedupgate`'s
 //!   `store_spec.rs` that the harness drives (`memory:`, `embedded:PATH` or a path,
-//!   `redis://…`, `postgres://…`) plus `http://HOST:PORT` for the HTTP face. It only dispatches
+//!   `redis://…`, `postgres://…`, `tiered:FAST,DURABLE`) plus `http://HOST:PORT` for the HTTP face. It only dispatches
 //!   on the prefix; the parsing rules live in the binary (see the report: `store_spec` belongs
 //!   in a small library both can use).
 //! - [`HttpStore`]: the HTTP face (a `dedupgate serve` or [`serve_gate`]) seen as a [`Store`],
@@ -37,7 +37,31 @@ pub enum OpenError {
 
 /// Opens the store a STORE string names (see the module doc for the forms).
 pub async fn open(spec: &str) -> Result<Arc<dyn Store>, OpenError> {
+    Box::pin(open_inner(spec)).await
+}
+
+async fn open_inner(spec: &str) -> Result<Arc<dyn Store>, OpenError> {
     let spec = spec.trim();
+    if let Some(rest) = spec.strip_prefix("tiered:") {
+        // Split where the durable spec starts, as store_spec.rs does (cluster specs hold commas).
+        const STARTS: [&str; 5] = [
+            "memory:",
+            "embedded:",
+            "redis://",
+            "postgres://",
+            "postgresql://",
+        ];
+        let split = rest
+            .match_indices(',')
+            .map(|(i, _)| i)
+            .find(|&i| STARTS.iter().any(|p| rest[i + 1..].starts_with(p)));
+        let Some(i) = split else {
+            return Err(OpenError::Unsupported(spec.to_owned()));
+        };
+        let fast = open(&rest[..i]).await?;
+        let durable = open(&rest[i + 1..]).await?;
+        return Ok(Arc::new(dedupgate_tiered::TieredStore::new(fast, durable)));
+    }
     let failed = |reason: String| OpenError::Failed {
         spec: spec.to_owned(),
         reason,

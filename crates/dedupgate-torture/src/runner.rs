@@ -393,7 +393,9 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     }
     let durable = !(cfg.store.starts_with("memory")) || cfg.allow_volatile_gate_kills;
     if cfg.face == Face::Library
-        && !(cfg.store.starts_with("redis") || cfg.store.starts_with("postgres"))
+        && !(cfg.store.starts_with("redis")
+            || cfg.store.starts_with("postgres")
+            || cfg.store.starts_with("tiered:"))
     {
         return Err(RunError::Config(
             "the library face needs a store several processes can share (redis://, postgres://)"
@@ -667,7 +669,7 @@ fn watch_pause(
 /// True for stores known to read their clock before waiting for a row lock (see
 /// [`LinConfig::monotonic_clock`]).
 pub fn clock_may_lag(store: &str) -> bool {
-    store.starts_with("postgres")
+    store.starts_with("postgres") || store.contains(",postgres")
 }
 
 /// The `dedupgate-torture` binary next to the running test or tool (`target/<profile>/`).

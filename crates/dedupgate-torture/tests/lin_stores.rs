@@ -77,3 +77,18 @@ async fn http_face_histories_are_linearizable() {
     let _ = stop_tx.send(());
     let _ = server.await;
 }
+
+/// The two-tier store: Redis answers repeats of completed keys, PostgreSQL decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_store_histories_are_linearizable() {
+    let redis = std::env::var("DEDUPGATE_TEST_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let pg = std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let store = faces::open(&format!("tiered:{redis},{pg}")).await.unwrap();
+    let cfg = LinConfig {
+        monotonic_clock: false,
+        ..skew1()
+    };
+    histories(store, "lin tiered", cfg, 2).await;
+}
