@@ -101,3 +101,74 @@ async fn bad_urls_get_clear_errors() {
         .unwrap_err();
     assert!(matches!(err, PgError::Unavailable(_)), "{err}");
 }
+
+/// A schema whose functions are not this build's (made by an earlier build of the unreleased
+/// v1, which recorded no md5, or by another build) gets this build's functions at open, stale
+/// overloads included, and keeps its rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_functions_are_replaced_at_open_and_rows_are_kept() {
+    use dedupgate_core::{Mark, Op, Outcome, RecordId, Store};
+
+    let url = common::url();
+    let schema = common::fresh_schema("functions");
+    let (u, s) = (url.clone(), schema.clone());
+    common::with_schema_dropped(&url, &schema, async move {
+        let store = common::open(&u, &s, 1).await;
+        let id = RecordId::new("ns", "kept").unwrap();
+        let mark = Op::Mark {
+            ttl_ms: 600_000,
+            fingerprint: None,
+            result: None,
+        };
+        store.apply(id.clone(), mark.clone()).await.unwrap();
+        store.close();
+        let client = common::connect(&u).await;
+        let recorded = recorded_md5(&client, &s).await;
+        // As an earlier build left it: no md5 recorded, a function with another body, and an
+        // overload this build does not have.
+        client
+            .batch_execute(&format!(
+                "DROP TABLE \"{s}\".dedupgate_schema_functions;
+                 CREATE OR REPLACE FUNCTION \"{s}\".dedupgate_get(p_ns bytea, p_key bytea)
+                 RETURNS \"{s}\".dedupgate_answer LANGUAGE plpgsql AS $$
+                 BEGIN RAISE EXCEPTION 'stale function'; END $$;
+                 CREATE FUNCTION \"{s}\".dedupgate_get(p_ns bytea) RETURNS integer
+                 LANGUAGE sql AS $$ SELECT 1 $$;"
+            ))
+            .await
+            .unwrap();
+        let store = common::open(&u, &s, 1).await;
+        match store.apply(id.clone(), Op::Get).await {
+            Ok(Outcome::Found(Some(record))) => assert_eq!(record.key.as_str(), "kept"),
+            other => panic!("get after the functions were replaced: {other:?}"),
+        }
+        match store.apply(id, mark).await {
+            Ok(Outcome::Marked(Mark::Duplicate { .. })) => {}
+            other => panic!("the row was kept, so a mark is a duplicate: {other:?}"),
+        }
+        let again = recorded_md5(&client, &s).await;
+        assert_eq!(again, recorded, "this build's md5 is recorded again");
+        let overloads: i64 = client
+            .query_one(
+                "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+                 WHERE n.nspname = $1::text AND p.proname = 'dedupgate_get'",
+                &[&s],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(overloads, 1, "the stale overload is gone");
+    })
+    .await;
+}
+
+async fn recorded_md5(client: &tokio_postgres::Client, schema: &str) -> String {
+    client
+        .query_one(
+            &format!("SELECT md5 FROM \"{schema}\".dedupgate_schema_functions"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
