@@ -67,7 +67,11 @@ fuzz_target!(|data: &[u8]| {
                     _ => format!("%{b:02X}"),
                 })
                 .collect();
-            let method = if other == 6 { Method::GET } else { Method::DELETE };
+            let method = if other == 6 {
+                Method::GET
+            } else {
+                Method::DELETE
+            };
             Request::builder()
                 .method(method)
                 .uri(format!("/v1/record?{q}"))
@@ -77,10 +81,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(request) = request else { return };
     let held = |w: &World| w.rt.block_on(w.store.stats()).unwrap().records_held;
     let before = held(w);
-    let response = w
-        .rt
-        .block_on(w.router.clone().oneshot(request))
-        .expect("the router is infallible");
+    let response =
+        w.rt.block_on(w.router.clone().oneshot(request))
+            .expect("the router is infallible");
     let status = response.status();
     assert!(!status.is_server_error(), "{status} for {body:?}");
     if status.is_client_error() {
