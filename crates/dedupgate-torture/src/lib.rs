@@ -17,6 +17,8 @@
 //! - [`failover`]: the loss of a Redis failover (primary SIGKILLed, replica promoted), measured.
 //! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
 //!
+//! What the checks mean and the figures measured with them: `docs/reliability.md`.
+//!
 //! Every randomized run prints its seed and replays from it.
 
 pub mod faces;
