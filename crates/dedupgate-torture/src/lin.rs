@@ -69,6 +69,11 @@ pub struct LinConfig {
     /// start of its function) can decide an operation at an instant earlier than the one
     /// ordered before it; with `false` each operation's instant is only bound to its own window.
     pub monotonic_clock: bool,
+    /// How far the store's clock may go back along the linearization when `monotonic_clock` is
+    /// set, in ms. A store whose plain reads do not wait for writers (PostgreSQL's MVCC) lets a
+    /// read that starts after a writer read its clock linearize before that writer's commit, so
+    /// its clock appears to step back by up to the writer's commit time.
+    pub clock_slack_ms: u64,
 }
 
 impl Default for LinConfig {
@@ -77,6 +82,7 @@ impl Default for LinConfig {
             skew_ms: 0,
             steps_max: 2_000_000,
             monotonic_clock: true,
+            clock_slack_ms: 0,
         }
     }
 }
@@ -310,6 +316,7 @@ struct Search<'a> {
     steps: u64,
     steps_max: u64,
     monotonic: bool,
+    slack_ms: u64,
     memo: HashSet<MemoKey>,
     deepest: Vec<Placed>,
     deepest_state: Option<State>,
@@ -388,6 +395,7 @@ impl<'a> Search<'a> {
             steps: 0,
             steps_max: cfg.steps_max,
             monotonic: cfg.monotonic_clock,
+            slack_ms: cfg.clock_slack_ms,
             memo: HashSet::new(),
             deepest: Vec::new(),
             deepest_state: None,
@@ -397,7 +405,8 @@ impl<'a> Search<'a> {
     fn candidates(&self, i: usize, state: &State) -> Vec<u64> {
         let op = &self.ops[i];
         let lo = if self.monotonic {
-            op.lo_ms.max(state.last_now_ms)
+            op.lo_ms
+                .max(state.last_now_ms.saturating_sub(self.slack_ms))
         } else {
             op.lo_ms
         };
@@ -454,7 +463,7 @@ impl<'a> Search<'a> {
         if let Change::Put(e) = decision.change {
             next.entry = Some(e);
         }
-        next.last_now_ms = now_ms;
+        next.last_now_ms = state.last_now_ms.max(now_ms);
         next.done[i] = true;
         if op.return_ns.is_some() {
             next.known_left -= 1;
@@ -484,7 +493,8 @@ impl<'a> Search<'a> {
                 .enumerate()
                 .filter(|(i, o)| !state.done[*i] && o.return_ns.is_some())
         };
-        if self.monotonic && pending_known().any(|(_, o)| o.hi_ms < state.last_now_ms) {
+        let floor_ms = state.last_now_ms.saturating_sub(self.slack_ms);
+        if self.monotonic && pending_known().any(|(_, o)| o.hi_ms < floor_ms) {
             return Ok(false);
         }
         let min_return_ns = pending_known()

@@ -411,3 +411,38 @@ async fn catches_a_store_that_checks_then_acts() {
     let report = check(&rec.events(), &cfg());
     assert_eq!(report.violations().len(), 1, "{}", report.summary());
 }
+
+/// A writer that read its clock at 4 ms but committed after a plain read called at 5 ms (which
+/// did not wait for it, as PostgreSQL's reads do not) makes the store's clock appear to step
+/// back by 1 ms along the order: refused with no slack, accepted with a slack of 2 ms.
+#[test]
+fn clock_slack_allows_a_reader_that_did_not_wait_for_a_commit() {
+    let a = ev("a", claim(None), 0, Some(1), new_at("x", 0, fence_at(0)));
+    let read_old = ev(
+        "b",
+        HOp::Get,
+        1_005,
+        Some(1_006),
+        HAnswer::Found {
+            record: Some(in_progress(0, fence_at(0), None)),
+        },
+    );
+    // Called at 1003, decided at 1004, answered at 1008: a takeover of a's expired lease.
+    let takeover = ev(
+        "c",
+        claim(None),
+        1_003,
+        Some(1_008),
+        new_at("y", 1_004, fence_at(1_004)),
+    );
+    let h = [a, read_old, takeover];
+    assert!(matches!(check_key(&h, &cfg()), Verdict::Violation { .. }));
+    let slack = LinConfig {
+        clock_slack_ms: 2,
+        ..cfg()
+    };
+    assert!(matches!(
+        check_key(&h, &slack),
+        Verdict::Linearizable { .. }
+    ));
+}

@@ -103,10 +103,13 @@ enum Cmd {
         /// Clock allowance, ms.
         #[arg(long, default_value_t = 1)]
         skew_ms: u64,
-        /// Do not require the store's clock to be non-decreasing in the linearization (for a
-        /// store that reads its clock before waiting for a lock: PostgreSQL).
+        /// Do not require the store's clock to be non-decreasing in the linearization at all.
         #[arg(long)]
         clock_may_lag: bool,
+        /// How far the store's clock may step back along the linearization, ms (default: 50
+        /// for postgres://, whose reads do not wait for a writer's commit; 0 otherwise).
+        #[arg(long)]
+        clock_slack_ms: Option<u64>,
         /// Seed (default: random, printed).
         #[arg(long)]
         seed: Option<u64>,
@@ -271,6 +274,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             ops,
             skew_ms,
             clock_may_lag,
+            clock_slack_ms,
             seed,
             report: report_file,
         } => {
@@ -288,6 +292,8 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     &LinConfig {
                         skew_ms,
                         monotonic_clock: !clock_may_lag,
+                        clock_slack_ms: clock_slack_ms
+                            .unwrap_or_else(|| runner::clock_slack_ms(&store)),
                         ..LinConfig::default()
                     },
                 );
