@@ -311,6 +311,10 @@ fn remote(url: &str, what: &str, cfg: LinConfig) {
         .enable_all()
         .build()
         .unwrap();
+    remote_on(&rt, url, what, cfg);
+}
+
+fn remote_on(rt: &tokio::runtime::Runtime, url: &str, what: &str, cfg: LinConfig) {
     let store = rt
         .block_on(dedupgate_torture::faces::open(url))
         .expect("local server");
@@ -321,7 +325,7 @@ fn remote(url: &str, what: &str, cfg: LinConfig) {
         .run(&steps(), |steps| {
             n.set(n.get() + 1);
             run_real(
-                &rt,
+                rt,
                 &store,
                 &format!("model.{tag:x}.{}", n.get()),
                 &steps,
@@ -358,4 +362,36 @@ fn postgres_store_equals_the_model() {
             ..LinConfig::default()
         },
     );
+}
+
+#[test]
+fn http_face_equals_the_model() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = rt.spawn(dedupgate_torture::faces::serve_gate(
+        Arc::new(MemoryStore::new()),
+        listener,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    remote_on(
+        &rt,
+        &format!("http://{addr}"),
+        "model http",
+        LinConfig {
+            skew_ms: 1,
+            ..LinConfig::default()
+        },
+    );
+    let _ = stop_tx.send(());
+    let _ = rt.block_on(server);
 }
