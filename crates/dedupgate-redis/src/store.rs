@@ -1,6 +1,7 @@
 //! [`RedisStore`]: the [`Store`] trait over one Redis server or a Redis Cluster.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use dedupgate_core::{
 };
 use futures::stream::{self, StreamExt};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClientBuilder;
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, Pipeline, Value};
@@ -30,15 +31,54 @@ const CLUSTER_GROUPS_IN_FLIGHT_MAX: usize = 64;
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(Arc<ClusterHandle>),
 }
 
 impl Conn {
     async fn pipeline(&self, pipe: &Pipeline, count: usize) -> redis::RedisResult<Vec<Value>> {
         match self {
             Conn::Single(c) => c.clone().req_packed_commands(pipe, 0, count).await,
-            Conn::Cluster(c) => c.clone().req_packed_commands(pipe, 0, count).await,
+            Conn::Cluster(h) => {
+                let r = h.current().req_packed_commands(pipe, 0, count).await;
+                if r.is_err() {
+                    h.failed();
+                }
+                r
+            }
         }
+    }
+}
+
+/// A cluster connection that is rebuilt from the seed nodes after failures. The `redis` crate's
+/// cluster connection reconnects to nodes itself, but after a master was killed and restarted
+/// it was seen to time out every request for good; a fresh connection recovers at once.
+struct ClusterHandle {
+    client: ClusterClient,
+    conn: std::sync::RwLock<ClusterConnection>,
+    rebuilding: AtomicBool,
+}
+
+/// Least time between two rebuilds of a cluster connection.
+const CLUSTER_REBUILD_INTERVAL: Duration = Duration::from_secs(1);
+
+impl ClusterHandle {
+    fn current(&self) -> ClusterConnection {
+        self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Starts a rebuild in the background, unless one ran within the last second.
+    fn failed(self: &Arc<Self>) {
+        if self.rebuilding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Ok(fresh) = me.client.get_async_connection().await {
+                *me.conn.write().unwrap_or_else(|p| p.into_inner()) = fresh;
+            }
+            tokio::time::sleep(CLUSTER_REBUILD_INTERVAL).await;
+            me.rebuilding.store(false, Ordering::Release);
+        });
     }
 }
 
@@ -147,7 +187,12 @@ impl RedisStore {
                 .max_retry_wait(200)
                 .build()
                 .map_err(|e| OpenError::Url(format!("{shown}: {e}")))?;
-            Conn::Cluster(client.get_async_connection().await.map_err(connect_err)?)
+            let conn = client.get_async_connection().await.map_err(connect_err)?;
+            Conn::Cluster(Arc::new(ClusterHandle {
+                client,
+                conn: std::sync::RwLock::new(conn),
+                rebuilding: AtomicBool::new(false),
+            }))
         } else {
             let client =
                 redis::Client::open(url).map_err(|e| OpenError::Url(format!("{shown}: {e}")))?;
@@ -208,9 +253,9 @@ impl Inner {
         cmd.arg("GET").arg("maxmemory-policy");
         let replies: Vec<(String, Value)> = match &self.conn {
             Conn::Single(c) => vec![(shown.to_owned(), c.clone().req_packed_command(&cmd).await)],
-            Conn::Cluster(c) => {
+            Conn::Cluster(h) => {
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                match c.clone().route_command(cmd, routing).await {
+                match h.current().route_command(cmd, routing).await {
                     Ok(Value::Map(per_node)) => per_node
                         .into_iter()
                         .map(|(node, v)| (text(&node).unwrap_or_default(), Ok(v)))
@@ -688,12 +733,16 @@ impl Store for RedisStore {
         let cmd = redis::cmd("PING");
         let r = match &self.inner.conn {
             Conn::Single(c) => c.clone().req_packed_command(&cmd).await,
-            Conn::Cluster(c) => {
+            Conn::Cluster(h) => {
                 let routing = RoutingInfo::MultiNode((
                     MultipleNodeRoutingInfo::AllMasters,
                     Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
                 ));
-                c.clone().route_command(cmd, routing).await
+                let r = h.current().route_command(cmd, routing).await;
+                if r.is_err() {
+                    h.failed();
+                }
+                r
             }
         };
         match r {

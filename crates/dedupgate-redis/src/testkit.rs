@@ -193,18 +193,23 @@ impl RedisCluster {
     /// Starts three `cluster-enabled` servers, joins them with `redis-cli --cluster create` and
     /// waits until every node reports `cluster_state:ok`.
     pub fn start() -> std::io::Result<Self> {
+        Self::start_with(&["--appendonly", "no"])
+    }
+
+    /// Like [`RedisCluster::start`], with `extra` arguments for every node (e.g. persistence).
+    pub fn start_with(extra: &[&str]) -> std::io::Result<Self> {
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            nodes.push(RedisServer::start(&[
+            let mut args = vec![
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",
                 "nodes.conf",
                 "--cluster-node-timeout",
                 "5000",
-                "--appendonly",
-                "no",
-            ])?);
+            ];
+            args.extend_from_slice(extra);
+            nodes.push(RedisServer::start(&args)?);
         }
         let addrs: Vec<String> = nodes
             .iter()
@@ -256,5 +261,44 @@ impl RedisCluster {
     /// The nodes.
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
+    }
+
+    /// The nodes, to kill and restart one.
+    pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
+        &mut self.nodes
+    }
+
+    /// Waits until every node reports `cluster_state:ok`.
+    pub fn wait_ok(&self) -> std::io::Result<()> {
+        let started = Instant::now();
+        while !self.nodes.iter().all(|n| {
+            n.cli(&["CLUSTER", "INFO"])
+                .is_ok_and(|info| info.contains("cluster_state:ok"))
+        }) {
+            if started.elapsed() > START_TIMEOUT {
+                return Err(std::io::Error::other(
+                    "cluster never reached cluster_state:ok",
+                ));
+            }
+            sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// The slot ranges node `i` serves, from `CLUSTER NODES`.
+    pub fn slots_of(&self, i: usize) -> std::io::Result<Vec<std::ops::RangeInclusive<u16>>> {
+        let out = self.nodes[i].cli(&["CLUSTER", "NODES"])?;
+        let me = out
+            .lines()
+            .find(|l| l.contains("myself"))
+            .ok_or_else(|| std::io::Error::other("no myself line in CLUSTER NODES"))?;
+        Ok(me
+            .split_whitespace()
+            .skip(8)
+            .filter_map(|r| match r.split_once('-') {
+                Some((a, b)) => Some(a.parse().ok()?..=b.parse().ok()?),
+                None => r.parse().ok().map(|s| s..=s),
+            })
+            .collect())
     }
 }

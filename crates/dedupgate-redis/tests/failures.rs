@@ -241,3 +241,108 @@ async fn unreachable_server_fails_to_open_clearly() {
     assert!(matches!(err, OpenError::Connect { .. }), "{err}");
     assert!(RedisStore::open("redis://h?wait_replicas=x").await.is_err());
 }
+
+/// A cluster master killed with SIGKILL: the keys it serves answer unavailable (never a wrong
+/// new or duplicate); after it restarts from its append-only file the same store recovers and
+/// every acknowledged claim is still decided the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_master_killed_and_restarted() {
+    use dedupgate_redis::keys::record_keys;
+    use dedupgate_redis::testkit::RedisCluster;
+
+    let mut cluster = tokio::task::spawn_blocking(|| {
+        RedisCluster::start_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    })
+    .await
+    .unwrap()
+    .expect("start a three-master cluster");
+    let store = RedisStore::open(&cluster.url())
+        .await
+        .expect("open cluster");
+    let victim = cluster.slots_of(0).expect("slots of node 0");
+    let on_victim = |id: &RecordId| {
+        let slot = record_keys("dg", id).slot;
+        victim.iter().any(|r| r.contains(&slot))
+    };
+
+    let ids: Vec<RecordId> = (0..600).map(|i| id(&format!("c{i}"))).collect();
+    let out = store
+        .apply_batch(ids.iter().map(|i| (i.clone(), claim())).collect())
+        .await;
+    let mut fences = HashMap::new();
+    for (i, r) in ids.iter().zip(out) {
+        match r {
+            Ok(Outcome::Claimed(Claim::New(l))) => fences.insert(i.key.to_string(), l.fence),
+            other => panic!("{:?}: {other:?}", i.key),
+        };
+    }
+    assert!(ids.iter().any(&on_victim) && !ids.iter().all(&on_victim));
+
+    cluster.nodes_mut()[0].kill();
+    let fresh: Vec<RecordId> = (0..300).map(|i| id(&format!("d{i}"))).collect();
+    let mut both: Vec<RecordId> = ids.clone();
+    both.extend(fresh.iter().cloned());
+    let out = store
+        .apply_batch(both.iter().map(|i| (i.clone(), claim())).collect())
+        .await;
+    let mut unavailable = 0;
+    // Keys answered unavailable: whether the claim took effect is unknown (a live node may have
+    // run it after the answer timed out), so afterwards either answer is right for them.
+    let mut unknown = std::collections::HashSet::new();
+    for (i, r) in both.iter().zip(out) {
+        match r {
+            Err(GateError::Store(StoreError::Unavailable(_))) => {
+                unavailable += 1;
+                unknown.insert(i.key.to_string());
+            }
+            Ok(_) if on_victim(i) => panic!("{:?} decided while its master was dead: {r:?}", i.key),
+            Ok(Outcome::Claimed(Claim::Duplicate { record }))
+                if fences.contains_key(i.key.as_str()) =>
+            {
+                assert_eq!(record.fence, fences[i.key.as_str()]);
+            }
+            Ok(Outcome::Claimed(Claim::New(l))) if !fences.contains_key(i.key.as_str()) => {
+                fences.insert(i.key.to_string(), l.fence);
+            }
+            other => panic!("{:?} while a master was down: {other:?}", i.key),
+        }
+    }
+    assert!(unavailable > 0, "the dead master was never noticed");
+
+    tokio::task::block_in_place(|| {
+        cluster.nodes_mut()[0]
+            .restart()
+            .expect("restart the master");
+        cluster.wait_ok().expect("cluster ok again");
+    });
+    let started = Instant::now();
+    loop {
+        let out = store
+            .apply_batch(both.iter().map(|i| (i.clone(), claim())).collect())
+            .await;
+        if out.iter().any(|r| matches!(r, Err(GateError::Store(_)))) {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "never recovered: {:?}",
+                out.iter().find(|r| r.is_err())
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        for (i, r) in both.iter().zip(out) {
+            match (fences.get(i.key.as_str()), r) {
+                (Some(f), Ok(Outcome::Claimed(Claim::Duplicate { record }))) => {
+                    assert_eq!(record.fence, *f, "{:?}", i.key)
+                }
+                (None, Ok(Outcome::Claimed(Claim::New(_)))) => {}
+                (None, Ok(Outcome::Claimed(Claim::Duplicate { .. })))
+                    if unknown.contains(i.key.as_str()) => {}
+                (f, r) => panic!(
+                    "{:?} after restart (acknowledged fence {f:?}): {r:?}",
+                    i.key
+                ),
+            }
+        }
+        break;
+    }
+}
