@@ -400,25 +400,26 @@ async fn spawn_and_wait(args: &RunArgs, keep_alive: Option<KeepAlive>) -> Outcom
     }
     let keep_alive = keep_alive.map(|k| tokio::spawn(k.run_forever()));
 
-    let forward_interactive = !std::io::stdin().is_terminal();
-    let mut kinds = vec![
-        SignalKind::terminate(),
-        SignalKind::hangup(),
-        SignalKind::user_defined1(),
-        SignalKind::user_defined2(),
+    // On a terminal, Ctrl-C and Ctrl-\ already reach CMD through the foreground process
+    // group: INT and QUIT are then caught (so `run` outlives them and can release the key once
+    // CMD has exited) but not passed on a second time.
+    let interactive = std::io::stdin().is_terminal();
+    let kinds = [
+        (SignalKind::terminate(), true),
+        (SignalKind::hangup(), true),
+        (SignalKind::user_defined1(), true),
+        (SignalKind::user_defined2(), true),
+        (SignalKind::interrupt(), !interactive),
+        (SignalKind::quit(), !interactive),
     ];
-    if forward_interactive {
-        kinds.push(SignalKind::interrupt());
-        kinds.push(SignalKind::quit());
-    }
     let (sig_tx, mut sig_rx) = tokio::sync::mpsc::channel::<i32>(16);
     let mut listeners = Vec::new();
-    for kind in kinds {
+    for (kind, forward) in kinds {
         if let Ok(mut s) = signal(kind) {
             let tx = sig_tx.clone();
             listeners.push(tokio::spawn(async move {
                 while s.recv().await.is_some() {
-                    if tx.send(kind.as_raw_value()).await.is_err() {
+                    if forward && tx.send(kind.as_raw_value()).await.is_err() {
                         return;
                     }
                 }
