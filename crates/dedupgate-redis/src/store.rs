@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dedupgate_core::{
-    Claim, GateError, InvalidInput, Lease, Mark, Op, Outcome, Record, RecordId, State, Store,
-    StoreError, Token,
+    Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError, Token,
 };
 use futures::stream::{self, StreamExt};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -722,7 +721,11 @@ impl Store for RedisStore {
             .decide_batch(vec![(id, op)])
             .await
             .pop()
-            .unwrap_or_else(|| Err(GateError::Invalid(InvalidInput::new("op", "no answer"))))
+            .unwrap_or_else(|| {
+                Err(GateError::Store(StoreError::Unavailable(
+                    "no answer".to_owned(),
+                )))
+            })
     }
 
     async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
