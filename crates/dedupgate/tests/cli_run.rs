@@ -204,13 +204,13 @@ fn concurrent_runs_of_one_key_run_cmd_exactly_once() {
 #[test]
 fn the_lease_is_kept_alive_while_cmd_runs_past_its_length() {
     let env = Env::new("keepalive");
-    let script = format!("{}; sleep 2", append(&env.path("count")));
-    let first = env.spawn(&["--key", "long", "--lease", "600ms"], &script);
+    let script = format!("{}; sleep 4", append(&env.path("count")));
+    let first = env.spawn(&["--key", "long", "--lease", "1s"], &script);
     wait_for("the first CMD", Duration::from_secs(10), || {
         env.count_lines("count") == 1
     });
-    std::thread::sleep(Duration::from_millis(1200)); // two lease lengths
-    let second = env.run(&["--key", "long", "--lease", "600ms"], &script);
+    std::thread::sleep(Duration::from_millis(2500)); // two and a half lease lengths
+    let second = env.run(&["--key", "long", "--lease", "1s"], &script);
     assert!(
         stderr(&second).contains("is running now"),
         "{}",
@@ -225,22 +225,22 @@ fn the_lease_is_kept_alive_while_cmd_runs_past_its_length() {
 fn a_run_killed_with_sigkill_is_taken_over_after_its_lease() {
     let env = Env::new("sigkill");
     let pids = env.path("pids");
-    let script = format!("echo $$ >> '{}'; sleep 5", pids.display());
-    let mut first = env.spawn(&["--key", "k", "--lease", "1s"], &script);
+    let script = format!("echo $$ >> '{}'; sleep 8", pids.display());
+    let mut first = env.spawn(&["--key", "k", "--lease", "3s"], &script);
     wait_for("the first CMD", Duration::from_secs(10), || {
         env.count_lines("pids") == 1
     });
     first.kill().unwrap(); // SIGKILL: no release, no completion
     first.wait().unwrap();
-    let blocked = env.run(&["--key", "k", "--lease", "1s"], &script);
+    let blocked = env.run(&["--key", "k", "--lease", "3s"], &script);
     assert!(
         stderr(&blocked).contains("is running now"),
         "within the lease the key is still held: {}",
         stderr(&blocked)
     );
-    std::thread::sleep(Duration::from_millis(1300));
+    std::thread::sleep(Duration::from_millis(3300));
     let quick = format!("echo $$ >> '{}'", pids.display());
-    let retried = env.run(&["--key", "k", "--lease", "1s"], &quick);
+    let retried = env.run(&["--key", "k", "--lease", "3s"], &quick);
     assert_eq!(code(&retried), 0, "{}", stderr(&retried));
     assert_eq!(
         env.count_lines("pids"),
