@@ -356,17 +356,22 @@ END
 $$;
 
 -- Many claims of distinct keys, set-based, with exactly the per-row logic of dedupgate_claim.
--- Each pass over the keys still undecided:
---   1. locks the rows that exist, in (namespace, key) order, so concurrent batches cannot
---      deadlock, and only then reads the clock;
---   2. takes over or renews the held rows that may be taken (one UPDATE), and answers the other
---      held rows duplicate or mismatch;
---   3. inserts the keys that have no row, ON CONFLICT DO NOTHING, each row stamped with a clock
---      read as it goes in (and stamped again if the clock moved during its insert).
--- Keys whose insert conflicted (another transaction inserted them meanwhile) are left for the
--- next pass, which locks them. As the keys are distinct no op can see another's effect, so this
--- equals the ops one by one. Every row answered is held by this transaction, so the final read
--- returns exactly the versions decided on.
+-- First a plain read of all the keys' rows and a clock read after it: the keys that are live
+-- duplicates (or mismatches) at that instant are answered from the read, lock-free, as the
+-- single claim does. Then each pass over the keys still undecided:
+--   1. inserts the keys that have no row, in (namespace, key) order, ON CONFLICT DO NOTHING, each
+--      row stamped with a clock read as it goes in (and stamped again if the clock moved during
+--      its insert, which may have waited for another transaction's insert that rolled back);
+--   2. locks the rows of the other keys, in (namespace, key) order, so concurrent batches cannot
+--      deadlock on them, and only then reads the clock;
+--   3. takes over or renews the held rows that may be taken (one UPDATE), and answers the other
+--      held rows duplicate or mismatch.
+-- A key whose row vanished between 1 and 2 (swept) is left for the next pass. As the keys are
+-- distinct no op can see another's effect, so this equals the ops one by one. Every row
+-- decided under a lock is held by this transaction, so the final read returns exactly the
+-- versions decided on. A batch of new keys costs the read, one INSERT and the final read; a batch
+-- of duplicates costs the read and writes nothing; the lock statement runs only when a key had a
+-- row that may be taken.
 CREATE FUNCTION {s}.dedupgate_claim_distinct(p_ns bytea[], p_key bytea[], p_ttl_ms bigint[],
                                              p_lease_ms bigint[], p_fp bytea[], p_owner bytea[],
                                              p_token bytea[])
@@ -376,6 +381,10 @@ DECLARE
     v_n      integer := coalesce(array_length(p_ns, 1), 0);
     v_now    bigint;
     v_passes integer := 0;
+    v_inserted bigint;
+    -- Rows read without a lock, then the ones answered from that read.
+    f_all    {s}.dedupgate_records[];
+    f_rows   {s}.dedupgate_records[];
     -- The ops not decided yet.
     t_ns     bytea[] := p_ns;
     t_key    bytea[] := p_key;
@@ -395,78 +404,52 @@ DECLARE
     d_key    bytea[] := '{}';
     d_code   smallint[] := '{}';
 BEGIN
-    LOOP
+    -- Lock-free answers first, as in the single op: a key whose row is live at a clock read
+    -- taken after this plain read, and that this op may neither take over nor renew, is answered
+    -- from the read (duplicate or mismatch) and writes nothing.
+    SELECT array_agg(e) INTO f_all
+    FROM {s}.dedupgate_records AS e
+    JOIN unnest(p_ns, p_key) AS u(ns, key) ON e.namespace = u.ns AND e.key = u.key;
+    IF f_all IS NOT NULL THEN
+        v_now := {s}.dedupgate_now_ms();
+        SELECT array_agg(ROW(e.*)::{s}.dedupgate_records), array_agg(e.namespace),
+               array_agg(e.key),
+               array_agg(CASE WHEN e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
+                                   AND e.fingerprint <> u.fp THEN 3 ELSE 2 END::smallint)
+        INTO f_rows, d_ns, d_key, d_code
+        FROM unnest(f_all) AS e
+        JOIN unnest(t_ns, t_key, t_ttl, t_lease, t_fp, t_owner, t_token) AS u(ns, key, ttl_ms, lease_ms, fp, owner, token)
+          ON e.namespace = u.ns AND e.key = u.key
+        WHERE e.expires_at_ms > v_now AND e.state <> 2
+          AND ((e.fingerprint IS NOT NULL AND u.fp IS NOT NULL AND e.fingerprint <> u.fp)
+               OR NOT (e.state = 0 AND (coalesce(e.owner = u.owner, false)
+                                        OR coalesce(e.lease_expires_at_ms <= v_now, false))));
+        d_ns := coalesce(d_ns, '{}');
+        d_key := coalesce(d_key, '{}');
+        d_code := coalesce(d_code, '{}');
+        IF array_length(d_ns, 1) = v_n THEN
+            t_ns := NULL;
+        ELSIF array_length(d_ns, 1) > 0 THEN
+            SELECT array_agg(u.ns), array_agg(u.key), array_agg(u.ttl_ms), array_agg(u.lease_ms), array_agg(u.fp), array_agg(u.owner), array_agg(u.token)
+            INTO t_ns, t_key, t_ttl, t_lease, t_fp, t_owner, t_token
+            FROM unnest(t_ns, t_key, t_ttl, t_lease, t_fp, t_owner, t_token) AS u(ns, key, ttl_ms, lease_ms, fp, owner, token)
+            WHERE NOT EXISTS (SELECT 1 FROM unnest(d_ns, d_key) AS d(ns, key)
+                              WHERE d.ns = u.ns AND d.key = u.key);
+        END IF;
+    END IF;
+
+    WHILE t_ns IS NOT NULL LOOP
         v_passes := v_passes + 1;
         IF v_passes > 8 THEN
             RAISE EXCEPTION 'dedupgate: a batch of claims found no stable entries after % passes',
                 v_passes;
         END IF;
-        SELECT array_agg(l.namespace), array_agg(l.key) INTO h_ns, h_key FROM (
-            SELECT e.namespace, e.key FROM {s}.dedupgate_records AS e
-            JOIN unnest(t_ns, t_key) AS u(ns, key) ON e.namespace = u.ns AND e.key = u.key
-            ORDER BY e.namespace, e.key
-            FOR UPDATE OF e) AS l;
-        v_now := {s}.dedupgate_now_ms();
-
-        IF h_ns IS NOT NULL THEN
-            WITH u AS (
-                SELECT u.* FROM unnest(t_ns, t_key, t_ttl, t_lease, t_fp, t_owner, t_token)
-                         AS u(ns, key, ttl_ms, lease_ms, fp, owner, token)
-                JOIN unnest(h_ns, h_key) AS h(ns, key) ON h.ns = u.ns AND h.key = u.key
-            ), taken AS (
-                UPDATE {s}.dedupgate_records AS e SET
-                    fence = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
-                                 THEN e.fence ELSE greatest(e.fence + 1, v_now * 1000) END,
-                    token = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
-                                 THEN e.token ELSE u.token END,
-                    fingerprint = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
-                                            AND e.owner = u.owner
-                                 THEN e.fingerprint ELSE u.fp END,
-                    owner = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
-                                 THEN e.owner ELSE u.owner END,
-                    created_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
-                                              AND e.owner = u.owner
-                                 THEN e.created_at_ms ELSE v_now END,
-                    expires_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
-                                              AND e.owner = u.owner
-                                 THEN greatest(e.expires_at_ms, v_now + u.lease_ms)
-                                 ELSE greatest(v_now + u.ttl_ms, v_now + u.lease_ms) END,
-                    state = 0,
-                    lease_expires_at_ms = v_now + u.lease_ms,
-                    completed_at_ms = NULL,
-                    result = NULL
-                FROM u
-                WHERE e.namespace = u.ns AND e.key = u.key
-                  AND (NOT (e.expires_at_ms > v_now AND e.state <> 2)
-                       OR (NOT (e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
-                                AND e.fingerprint <> u.fp)
-                           AND e.state = 0
-                           AND (coalesce(e.owner = u.owner, false)
-                                OR coalesce(e.lease_expires_at_ms <= v_now, false))))
-                RETURNING e.namespace, e.key
-            )
-            -- The held rows as this statement's snapshot sees them: as they were locked.
-            SELECT d_ns || array_agg(u.ns), d_key || array_agg(u.key),
-                   d_code || array_agg(CASE
-                       WHEN t.key IS NOT NULL THEN 1
-                       WHEN e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
-                            AND e.fingerprint <> u.fp THEN 3
-                       ELSE 2 END::smallint)
-            INTO d_ns, d_key, d_code
-            FROM u
-            JOIN {s}.dedupgate_records AS e ON e.namespace = u.ns AND e.key = u.key
-            LEFT JOIN taken AS t ON t.namespace = u.ns AND t.key = u.key;
-        END IF;
-
         WITH u AS (
             -- Not flattened (a volatile target), and sorted before the clock is read, so each
             -- row's clock read comes just before its insert.
             SELECT u.*, {s}.dedupgate_now_ms() AS now_ms
             FROM (SELECT u.* FROM unnest(t_ns, t_key, t_ttl, t_lease, t_fp, t_owner, t_token)
                                AS u(ns, key, ttl_ms, lease_ms, fp, owner, token)
-                  WHERE h_ns IS NULL
-                     OR NOT EXISTS (SELECT 1 FROM unnest(h_ns, h_key) AS h(ns, key)
-                                    WHERE h.ns = u.ns AND h.key = u.key)
                   ORDER BY u.ns, u.key OFFSET 0) AS u
         ), ins AS (
             INSERT INTO {s}.dedupgate_records
@@ -483,8 +466,9 @@ BEGIN
                d_key || coalesce(array_agg(ins.key), '{}'),
                d_code || coalesce(array_agg(1::smallint), '{}'),
                array_agg(ins.namespace) FILTER (WHERE ins.after_ms > ins.created_at_ms),
-               array_agg(ins.key) FILTER (WHERE ins.after_ms > ins.created_at_ms)
-        INTO d_ns, d_key, d_code, s_ns, s_key
+               array_agg(ins.key) FILTER (WHERE ins.after_ms > ins.created_at_ms),
+               count(*)
+        INTO d_ns, d_key, d_code, s_ns, s_key, v_inserted
         FROM ins;
 
         IF s_ns IS NOT NULL THEN
@@ -499,6 +483,71 @@ BEGIN
             WHERE e.namespace = u.ns AND e.key = u.key;
         END IF;
 
+        -- The keys that had a row (or got one from another transaction meanwhile): lock them,
+        -- in key order, then read the clock and decide on them.
+        h_ns := NULL;
+        h_key := NULL;
+        IF v_inserted < coalesce(array_length(t_ns, 1), 0) THEN
+            SELECT array_agg(l.namespace), array_agg(l.key) INTO h_ns, h_key FROM (
+                SELECT e.namespace, e.key FROM {s}.dedupgate_records AS e
+                JOIN unnest(t_ns, t_key) AS u(ns, key) ON e.namespace = u.ns AND e.key = u.key
+                WHERE NOT EXISTS (SELECT 1 FROM unnest(d_ns, d_key) AS d(ns, key)
+                                  WHERE d.ns = u.ns AND d.key = u.key)
+                ORDER BY e.namespace, e.key
+                FOR UPDATE OF e) AS l;
+            v_now := {s}.dedupgate_now_ms();
+
+            IF h_ns IS NOT NULL THEN
+                WITH u AS (
+                    SELECT u.* FROM unnest(t_ns, t_key, t_ttl, t_lease, t_fp, t_owner, t_token)
+                             AS u(ns, key, ttl_ms, lease_ms, fp, owner, token)
+                    JOIN unnest(h_ns, h_key) AS h(ns, key) ON h.ns = u.ns AND h.key = u.key
+                ), taken AS (
+                    UPDATE {s}.dedupgate_records AS e SET
+                        fence = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
+                                     THEN e.fence ELSE greatest(e.fence + 1, v_now * 1000) END,
+                        token = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
+                                     THEN e.token ELSE u.token END,
+                        fingerprint = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
+                                                AND e.owner = u.owner
+                                     THEN e.fingerprint ELSE u.fp END,
+                        owner = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
+                                     THEN e.owner ELSE u.owner END,
+                        created_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
+                                                  AND e.owner = u.owner
+                                     THEN e.created_at_ms ELSE v_now END,
+                        expires_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
+                                                  AND e.owner = u.owner
+                                     THEN greatest(e.expires_at_ms, v_now + u.lease_ms)
+                                     ELSE greatest(v_now + u.ttl_ms, v_now + u.lease_ms) END,
+                        state = 0,
+                        lease_expires_at_ms = v_now + u.lease_ms,
+                        completed_at_ms = NULL,
+                        result = NULL
+                    FROM u
+                    WHERE e.namespace = u.ns AND e.key = u.key
+                      AND (NOT (e.expires_at_ms > v_now AND e.state <> 2)
+                           OR (NOT (e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
+                                    AND e.fingerprint <> u.fp)
+                               AND e.state = 0
+                               AND (coalesce(e.owner = u.owner, false)
+                                    OR coalesce(e.lease_expires_at_ms <= v_now, false))))
+                    RETURNING e.namespace, e.key
+                )
+                -- The held rows as this statement's snapshot sees them: as they were locked.
+                SELECT d_ns || array_agg(u.ns), d_key || array_agg(u.key),
+                       d_code || array_agg(CASE
+                           WHEN t.key IS NOT NULL THEN 1
+                           WHEN e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
+                                AND e.fingerprint <> u.fp THEN 3
+                           ELSE 2 END::smallint)
+                INTO d_ns, d_key, d_code
+                FROM u
+                JOIN {s}.dedupgate_records AS e ON e.namespace = u.ns AND e.key = u.key
+                LEFT JOIN taken AS t ON t.namespace = u.ns AND t.key = u.key;
+            END IF;
+        END IF;
+
         EXIT WHEN array_length(d_ns, 1) IS NOT DISTINCT FROM v_n OR v_n = 0;
         SELECT array_agg(u.ns), array_agg(u.key), array_agg(u.ttl_ms), array_agg(u.lease_ms),
                array_agg(u.fp), array_agg(u.owner), array_agg(u.token)
@@ -510,13 +559,19 @@ BEGIN
     END LOOP;
 
     RETURN QUERY
-    SELECT d.code, r.state, r.fence, CASE WHEN d.code = 1 THEN r.token END, r.fingerprint,
-           r.owner, r.created_at_ms, r.expires_at_ms, r.lease_expires_at_ms, r.completed_at_ms,
-           r.result
+    -- f (a row answered from the lock-free read) and r (a row this call holds) never both join.
+    SELECT d.code, coalesce(f.state, r.state), coalesce(f.fence, r.fence),
+           CASE WHEN d.code = 1 THEN r.token END, coalesce(f.fingerprint, r.fingerprint),
+           coalesce(f.owner, r.owner), coalesce(f.created_at_ms, r.created_at_ms),
+           coalesce(f.expires_at_ms, r.expires_at_ms),
+           coalesce(f.lease_expires_at_ms, r.lease_expires_at_ms),
+           coalesce(f.completed_at_ms, r.completed_at_ms), coalesce(f.result, r.result)
     FROM unnest(p_ns, p_key) WITH ORDINALITY AS u(ns, key, i)
     JOIN unnest(d_ns, d_key, d_code) AS d(ns, key, code) ON d.ns = u.ns AND d.key = u.key
+    LEFT JOIN unnest(f_rows) AS f
+           ON d.code <> 3 AND f.namespace = u.ns AND f.key = u.key
     LEFT JOIN {s}.dedupgate_records AS r
-           ON d.code <> 3 AND r.namespace = u.ns AND r.key = u.key
+           ON d.code <> 3 AND f.namespace IS NULL AND r.namespace = u.ns AND r.key = u.key
     ORDER BY u.i;
 END
 $$;
@@ -531,6 +586,10 @@ DECLARE
     v_n      integer := coalesce(array_length(p_ns, 1), 0);
     v_now    bigint;
     v_passes integer := 0;
+    v_inserted bigint;
+    -- Rows read without a lock, then the ones answered from that read.
+    f_all    {s}.dedupgate_records[];
+    f_rows   {s}.dedupgate_records[];
     t_ns     bytea[] := p_ns;
     t_key    bytea[] := p_key;
     t_ttl    bigint[] := p_ttl_ms;
@@ -544,64 +603,49 @@ DECLARE
     d_key    bytea[] := '{}';
     d_code   smallint[] := '{}';
 BEGIN
-    LOOP
+    -- Lock-free answers first, as in the single op: a key whose row is live at a clock read
+    -- taken after this plain read, and that this op may neither take over nor renew, is answered
+    -- from the read (duplicate or mismatch) and writes nothing.
+    SELECT array_agg(e) INTO f_all
+    FROM {s}.dedupgate_records AS e
+    JOIN unnest(p_ns, p_key) AS u(ns, key) ON e.namespace = u.ns AND e.key = u.key;
+    IF f_all IS NOT NULL THEN
+        v_now := {s}.dedupgate_now_ms();
+        SELECT array_agg(ROW(e.*)::{s}.dedupgate_records), array_agg(e.namespace),
+               array_agg(e.key),
+               array_agg(CASE WHEN e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
+                                   AND e.fingerprint <> u.fp THEN 3 ELSE 2 END::smallint)
+        INTO f_rows, d_ns, d_key, d_code
+        FROM unnest(f_all) AS e
+        JOIN unnest(t_ns, t_key, t_ttl, t_fp, t_result) AS u(ns, key, ttl_ms, fp, result)
+          ON e.namespace = u.ns AND e.key = u.key
+        WHERE e.expires_at_ms > v_now AND e.state <> 2
+          AND ((e.fingerprint IS NOT NULL AND u.fp IS NOT NULL AND e.fingerprint <> u.fp)
+               OR NOT (e.state = 0 AND coalesce(e.lease_expires_at_ms <= v_now, false)));
+        d_ns := coalesce(d_ns, '{}');
+        d_key := coalesce(d_key, '{}');
+        d_code := coalesce(d_code, '{}');
+        IF array_length(d_ns, 1) = v_n THEN
+            t_ns := NULL;
+        ELSIF array_length(d_ns, 1) > 0 THEN
+            SELECT array_agg(u.ns), array_agg(u.key), array_agg(u.ttl_ms), array_agg(u.fp), array_agg(u.result)
+            INTO t_ns, t_key, t_ttl, t_fp, t_result
+            FROM unnest(t_ns, t_key, t_ttl, t_fp, t_result) AS u(ns, key, ttl_ms, fp, result)
+            WHERE NOT EXISTS (SELECT 1 FROM unnest(d_ns, d_key) AS d(ns, key)
+                              WHERE d.ns = u.ns AND d.key = u.key);
+        END IF;
+    END IF;
+
+    WHILE t_ns IS NOT NULL LOOP
         v_passes := v_passes + 1;
         IF v_passes > 8 THEN
             RAISE EXCEPTION 'dedupgate: a batch of marks found no stable entries after % passes',
                 v_passes;
         END IF;
-        SELECT array_agg(l.namespace), array_agg(l.key) INTO h_ns, h_key FROM (
-            SELECT e.namespace, e.key FROM {s}.dedupgate_records AS e
-            JOIN unnest(t_ns, t_key) AS u(ns, key) ON e.namespace = u.ns AND e.key = u.key
-            ORDER BY e.namespace, e.key
-            FOR UPDATE OF e) AS l;
-        v_now := {s}.dedupgate_now_ms();
-
-        IF h_ns IS NOT NULL THEN
-            WITH u AS (
-                SELECT u.* FROM unnest(t_ns, t_key, t_ttl, t_fp, t_result)
-                         AS u(ns, key, ttl_ms, fp, result)
-                JOIN unnest(h_ns, h_key) AS h(ns, key) ON h.ns = u.ns AND h.key = u.key
-            ), taken AS (
-                UPDATE {s}.dedupgate_records AS e SET
-                    state = 1,
-                    fence = greatest(e.fence + 1, v_now * 1000),
-                    token = NULL,
-                    fingerprint = u.fp,
-                    owner = NULL,
-                    created_at_ms = v_now,
-                    expires_at_ms = v_now + u.ttl_ms,
-                    lease_expires_at_ms = NULL,
-                    completed_at_ms = v_now,
-                    result = u.result
-                FROM u
-                WHERE e.namespace = u.ns AND e.key = u.key
-                  AND (NOT (e.expires_at_ms > v_now AND e.state <> 2)
-                       OR (NOT (e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
-                                AND e.fingerprint <> u.fp)
-                           AND e.state = 0
-                           AND coalesce(e.lease_expires_at_ms <= v_now, false)))
-                RETURNING e.namespace, e.key
-            )
-            SELECT d_ns || array_agg(u.ns), d_key || array_agg(u.key),
-                   d_code || array_agg(CASE
-                       WHEN t.key IS NOT NULL THEN 1
-                       WHEN e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
-                            AND e.fingerprint <> u.fp THEN 3
-                       ELSE 2 END::smallint)
-            INTO d_ns, d_key, d_code
-            FROM u
-            JOIN {s}.dedupgate_records AS e ON e.namespace = u.ns AND e.key = u.key
-            LEFT JOIN taken AS t ON t.namespace = u.ns AND t.key = u.key;
-        END IF;
-
         WITH u AS (
             SELECT u.*, {s}.dedupgate_now_ms() AS now_ms
             FROM (SELECT u.* FROM unnest(t_ns, t_key, t_ttl, t_fp, t_result)
                                AS u(ns, key, ttl_ms, fp, result)
-                  WHERE h_ns IS NULL
-                     OR NOT EXISTS (SELECT 1 FROM unnest(h_ns, h_key) AS h(ns, key)
-                                    WHERE h.ns = u.ns AND h.key = u.key)
                   ORDER BY u.ns, u.key OFFSET 0) AS u
         ), ins AS (
             INSERT INTO {s}.dedupgate_records
@@ -617,8 +661,9 @@ BEGIN
                d_key || coalesce(array_agg(ins.key), '{}'),
                d_code || coalesce(array_agg(1::smallint), '{}'),
                array_agg(ins.namespace) FILTER (WHERE ins.after_ms > ins.created_at_ms),
-               array_agg(ins.key) FILTER (WHERE ins.after_ms > ins.created_at_ms)
-        INTO d_ns, d_key, d_code, s_ns, s_key
+               array_agg(ins.key) FILTER (WHERE ins.after_ms > ins.created_at_ms),
+               count(*)
+        INTO d_ns, d_key, d_code, s_ns, s_key, v_inserted
         FROM ins;
 
         IF s_ns IS NOT NULL THEN
@@ -633,6 +678,59 @@ BEGIN
             WHERE e.namespace = u.ns AND e.key = u.key;
         END IF;
 
+        -- The keys that had a row (or got one from another transaction meanwhile): lock them,
+        -- in key order, then read the clock and decide on them.
+        h_ns := NULL;
+        h_key := NULL;
+        IF v_inserted < coalesce(array_length(t_ns, 1), 0) THEN
+            SELECT array_agg(l.namespace), array_agg(l.key) INTO h_ns, h_key FROM (
+                SELECT e.namespace, e.key FROM {s}.dedupgate_records AS e
+                JOIN unnest(t_ns, t_key) AS u(ns, key) ON e.namespace = u.ns AND e.key = u.key
+                WHERE NOT EXISTS (SELECT 1 FROM unnest(d_ns, d_key) AS d(ns, key)
+                                  WHERE d.ns = u.ns AND d.key = u.key)
+                ORDER BY e.namespace, e.key
+                FOR UPDATE OF e) AS l;
+            v_now := {s}.dedupgate_now_ms();
+
+            IF h_ns IS NOT NULL THEN
+                WITH u AS (
+                    SELECT u.* FROM unnest(t_ns, t_key, t_ttl, t_fp, t_result)
+                             AS u(ns, key, ttl_ms, fp, result)
+                    JOIN unnest(h_ns, h_key) AS h(ns, key) ON h.ns = u.ns AND h.key = u.key
+                ), taken AS (
+                    UPDATE {s}.dedupgate_records AS e SET
+                        state = 1,
+                        fence = greatest(e.fence + 1, v_now * 1000),
+                        token = NULL,
+                        fingerprint = u.fp,
+                        owner = NULL,
+                        created_at_ms = v_now,
+                        expires_at_ms = v_now + u.ttl_ms,
+                        lease_expires_at_ms = NULL,
+                        completed_at_ms = v_now,
+                        result = u.result
+                    FROM u
+                    WHERE e.namespace = u.ns AND e.key = u.key
+                      AND (NOT (e.expires_at_ms > v_now AND e.state <> 2)
+                           OR (NOT (e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
+                                    AND e.fingerprint <> u.fp)
+                               AND e.state = 0
+                               AND coalesce(e.lease_expires_at_ms <= v_now, false)))
+                    RETURNING e.namespace, e.key
+                )
+                SELECT d_ns || array_agg(u.ns), d_key || array_agg(u.key),
+                       d_code || array_agg(CASE
+                           WHEN t.key IS NOT NULL THEN 1
+                           WHEN e.fingerprint IS NOT NULL AND u.fp IS NOT NULL
+                                AND e.fingerprint <> u.fp THEN 3
+                           ELSE 2 END::smallint)
+                INTO d_ns, d_key, d_code
+                FROM u
+                JOIN {s}.dedupgate_records AS e ON e.namespace = u.ns AND e.key = u.key
+                LEFT JOIN taken AS t ON t.namespace = u.ns AND t.key = u.key;
+            END IF;
+        END IF;
+
         EXIT WHEN array_length(d_ns, 1) IS NOT DISTINCT FROM v_n OR v_n = 0;
         SELECT array_agg(u.ns), array_agg(u.key), array_agg(u.ttl_ms), array_agg(u.fp),
                array_agg(u.result)
@@ -643,12 +741,17 @@ BEGIN
     END LOOP;
 
     RETURN QUERY
-    SELECT d.code, r.state, r.fence, NULL::bytea, r.fingerprint, r.owner, r.created_at_ms,
-           r.expires_at_ms, r.lease_expires_at_ms, r.completed_at_ms, r.result
+    SELECT d.code, coalesce(f.state, r.state), coalesce(f.fence, r.fence), NULL::bytea,
+           coalesce(f.fingerprint, r.fingerprint), coalesce(f.owner, r.owner),
+           coalesce(f.created_at_ms, r.created_at_ms), coalesce(f.expires_at_ms, r.expires_at_ms),
+           coalesce(f.lease_expires_at_ms, r.lease_expires_at_ms),
+           coalesce(f.completed_at_ms, r.completed_at_ms), coalesce(f.result, r.result)
     FROM unnest(p_ns, p_key) WITH ORDINALITY AS u(ns, key, i)
     JOIN unnest(d_ns, d_key, d_code) AS d(ns, key, code) ON d.ns = u.ns AND d.key = u.key
+    LEFT JOIN unnest(f_rows) AS f
+           ON d.code <> 3 AND f.namespace = u.ns AND f.key = u.key
     LEFT JOIN {s}.dedupgate_records AS r
-           ON d.code <> 3 AND r.namespace = u.ns AND r.key = u.key
+           ON d.code <> 3 AND f.namespace IS NULL AND r.namespace = u.ns AND r.key = u.key
     ORDER BY u.i;
 END
 $$;

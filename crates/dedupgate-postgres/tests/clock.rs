@@ -236,7 +236,7 @@ async fn ops_that_waited_for_a_lock_judge_the_record_after_the_wait() {
 }
 
 /// The set-based batch paths (claims or marks only, distinct keys) read their clock after their
-/// waits too: behind a row lock on a live record, and behind another session's insert.
+/// waits too: behind another session's takeover of a dead row, and behind its insert of a key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_that_waited_for_a_lock_judge_the_record_after_the_wait() {
     let url = common::url();
@@ -248,10 +248,10 @@ async fn batches_that_waited_for_a_lock_judge_the_record_after_the_wait() {
         let mut waits = Vec::new();
         for (kind, op) in [("claims", claim(60_000, lease_ms)), ("marks", mark(60_000))] {
             let held = id(kind, "held");
-            store.apply(held.clone(), mark(TTL_MS)).await.unwrap();
+            dead_record(&store, &held).await;
             let inserted = id(kind, "inserted");
             let holders = vec![
-                lock_row(&u, &s, &held).await,
+                write_row(&store, &u, &held).await,
                 write_row(&store, &u, &inserted).await,
             ];
             let batch = vec![
