@@ -564,3 +564,38 @@ fn large_inputs_cross_chunk_boundaries_with_exact_output_and_line_numbers() {
         err(&o)
     );
 }
+
+#[test]
+fn the_at_most_once_ledger_also_emits_only_what_is_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let late = write(
+        dir.path(),
+        "late.jsonl",
+        &(events(40..60) + &events(45..50)),
+    );
+    let all = write(dir.path(), "all.jsonl", &events(0..60));
+    let dedup = |input: &Path| {
+        dg().args([
+            "dedup",
+            "--key-fields",
+            "event_id",
+            "--ledger-mode",
+            "at-most-once",
+        ])
+        .args(["--ledger", &store, "--namespace", &ns])
+        .arg(input)
+        .output()
+        .unwrap()
+    };
+    let first = dedup(&late);
+    assert!(first.status.success(), "{}", err(&first));
+    assert_eq!(out(&first), events(40..60));
+    let second = dedup(&all);
+    assert_eq!(out(&second), events(0..40));
+    assert!(
+        err(&second).contains("emitted 40, duplicates 20"),
+        "{}",
+        err(&second)
+    );
+}

@@ -48,6 +48,17 @@ pub enum Keep {
     Last,
 }
 
+/// How the ledger records keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LedgerMode {
+    /// Claim, write, complete: a run that dies before completing lets the next run emit those
+    /// records again (nothing is lost). Two ledger writes per new key.
+    Retriable,
+    /// Mark, then write: one ledger write per new key, but a run that dies between the two
+    /// loses up to one batch of records for good.
+    AtMostOnce,
+}
+
 /// Flags of `dedupgate dedup`.
 #[derive(clap::Args, Debug)]
 pub struct DedupArgs {
@@ -77,6 +88,10 @@ pub struct DedupArgs {
     /// How long the ledger remembers a key (500ms, 30s, 5m, 24h, 7d).
     #[arg(long, default_value = "24h", value_name = "D")]
     ttl: String,
+    /// How the ledger records keys: retriable (claim, write, complete) or at-most-once (mark,
+    /// write; half the ledger writes, but a crash can lose the last batch).
+    #[arg(long, value_enum, default_value_t = LedgerMode::Retriable)]
+    ledger_mode: LedgerMode,
     /// Ledger namespace.
     #[arg(long, default_value = "dedup", value_name = "NS")]
     namespace: String,
@@ -141,17 +156,17 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
             job.first_in_memory_jsonl(inputs, &mut *out)
         }
         (Some(backend), Keep::First) if format == Format::Jsonl => {
-            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, &rt);
+            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, args.ledger_mode, &rt);
             job.first_with_ledger_jsonl(inputs, &mut sink, &mut *out)
         }
         (None, Keep::First) => job.first_in_memory(inputs, &mut *out),
         (None, Keep::Last) => job.last(inputs, None, &mut *out),
         (Some(backend), Keep::First) => {
-            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, &rt);
+            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, args.ledger_mode, &rt);
             job.first_with_ledger(inputs, &mut sink, &mut *out)
         }
         (Some(backend), Keep::Last) => {
-            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, &rt);
+            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, args.ledger_mode, &rt);
             job.last(inputs, Some(&mut sink), &mut *out)
         }
     };
@@ -485,6 +500,7 @@ struct LedgerSink<'a> {
     backend: &'a Backend,
     namespace: &'a str,
     ttl_ms: u64,
+    mode: LedgerMode,
     rt: &'a tokio::runtime::Runtime,
     /// Claims of this run name this owner, so a retried batch gets its own claims back.
     owner: String,
@@ -501,12 +517,14 @@ impl<'a> LedgerSink<'a> {
         backend: &'a Backend,
         namespace: &'a str,
         ttl_ms: u64,
+        mode: LedgerMode,
         rt: &'a tokio::runtime::Runtime,
     ) -> Self {
         Self {
             backend,
             namespace,
             ttl_ms,
+            mode,
             rt,
             owner: format!("dedup-{}", Token::generate().as_str()),
             bytes: Vec::with_capacity(LEDGER_BATCH_BYTES),
@@ -522,12 +540,69 @@ impl<'a> LedgerSink<'a> {
         self.pending.len() >= LEDGER_BATCH_RECORDS || self.bytes.len() >= LEDGER_BATCH_BYTES
     }
 
+    /// Marks the batch's keys, then writes the records whose mark was new.
+    fn flush_marked(
+        &mut self,
+        keys: &[String],
+        counts: &mut Counts,
+        out: &mut dyn Write,
+    ) -> anyhow::Result<()> {
+        let answers = self
+            .rt
+            .block_on(self.backend.mark_batch(self.namespace, keys, self.ttl_ms))
+            .with_context(|| format!("ledger {}", self.backend.describe()))?;
+        if answers.len() != keys.len() {
+            bail!(
+                "the ledger answered {} marks for {} keys",
+                answers.len(),
+                keys.len()
+            );
+        }
+        let mut lost = 0u64;
+        let mut failure: Option<anyhow::Error> = None;
+        for ((key, span), answer) in self.pending.drain(..).zip(answers) {
+            match answer {
+                Ok(true) if failure.is_none() => match out.write_all(&self.bytes[span]) {
+                    Ok(()) => counts.emitted += 1,
+                    Err(e) => {
+                        lost += 1;
+                        failure = Some(anyhow::Error::new(e).context("writing the output"));
+                    }
+                },
+                Ok(true) => lost += 1,
+                Ok(false) => counts.duplicates += 1,
+                Err(reason) => {
+                    failure.get_or_insert_with(|| {
+                        anyhow::anyhow!("ledger refused key {key:?}: {reason}")
+                    });
+                }
+            }
+        }
+        self.bytes.clear();
+        self.batch_ids.clear();
+        if failure.is_none() {
+            if let Err(e) = out.flush() {
+                failure = Some(anyhow::Error::new(e).context("writing the output"));
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some(e) => Err(e.context(format!(
+                "at-most-once ledger: {lost} marked records were not written and will not be \
+                 emitted by a later run (use forget, or the default retriable mode)"
+            ))),
+        }
+    }
+
     /// Claims the batch's keys, writes the new records, flushes, completes their claims.
     fn flush(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
         let keys: Vec<String> = self.pending.iter().map(|(k, _)| k.clone()).collect();
+        if self.mode == LedgerMode::AtMostOnce {
+            return self.flush_marked(&keys, counts, out);
+        }
         let answers = self
             .rt
             .block_on(self.backend.claim_batch(

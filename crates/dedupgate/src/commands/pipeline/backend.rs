@@ -254,6 +254,60 @@ impl Backend {
         }
     }
 
+    /// Marks many keys in one round trip (the at-most-once ledger). Each item is true when the
+    /// key was new, false for a duplicate, or why it was refused.
+    pub async fn mark_batch(
+        &self,
+        ns: &str,
+        keys: &[String],
+        ttl_ms: u64,
+    ) -> anyhow::Result<Vec<Result<bool, String>>> {
+        let is_new = |m: Mark| matches!(m, Mark::New { .. });
+        match self {
+            Backend::Remote(c) => {
+                let ops = keys
+                    .iter()
+                    .map(|k| json!({"op": "mark", "namespace": ns, "key": k, "ttl_ms": ttl_ms}))
+                    .collect();
+                c.batch(ops)
+                    .await?
+                    .into_iter()
+                    .map(|a| match a {
+                        Ok(v) => serde_json::from_value::<Mark>(v)
+                            .map(|m| Ok(is_new(m)))
+                            .map_err(|e| anyhow!("unexpected mark answer from the server: {e}")),
+                        Err(p) => Ok(Err(format!("{}: {}", p.code, p.detail))),
+                    })
+                    .collect()
+            }
+            _ => {
+                let gate = self.gate().await?;
+                let mut ops = Vec::with_capacity(keys.len());
+                for k in keys {
+                    ops.push((
+                        RecordId::new(ns, k.as_str())?,
+                        Op::Mark {
+                            ttl_ms,
+                            fingerprint: None,
+                            result: None,
+                        },
+                    ));
+                }
+                Ok(gate
+                    .store()
+                    .apply_batch(ops)
+                    .await
+                    .into_iter()
+                    .map(|a| match a {
+                        Ok(Outcome::Marked(m)) => Ok(is_new(m)),
+                        Ok(other) => Err(format!("unexpected outcome {}", other.label())),
+                        Err(e) => Err(e.to_string()),
+                    })
+                    .collect())
+            }
+        }
+    }
+
     /// Completes many claims in one round trip. Fails as a whole if any completion failed:
     /// an uncompleted claim is re-offered after its lease, so the caller must know.
     /// The records are kept `ttl_ms` from now (a claim's own expiry is stretched to its lease).
