@@ -36,6 +36,15 @@ echo "# dedupgate bench: $CONNS connections, ${SECS}s per mode, batch $BATCH" >&
 "$BIN" bench --server "$URL" -c "$CONNS" --duration "${SECS}s" --mode single --json > "$WORK/single.json"
 "$BIN" bench --server "$URL" -c "$CONNS" --duration "${SECS}s" --mode batch --batch-size "$BATCH" --json > "$WORK/batch.json"
 
+# The same load on the memory store: what the HTTP face costs without a durable commit.
+MPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$BIN" serve --listen "127.0.0.1:$MPORT" --store memory: --in-flight-max 4096 2>"$WORK/serve-mem.log" &
+MSERVER=$!
+for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$MPORT/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
+"$BIN" bench --server "http://127.0.0.1:$MPORT" -c "$CONNS" --duration "${SECS}s" --mode single --json > "$WORK/mem-single.json"
+"$BIN" bench --server "http://127.0.0.1:$MPORT" -c "$CONNS" --duration "${SECS}s" --mode batch --batch-size "$BATCH" --json > "$WORK/mem-batch.json"
+kill -TERM "$MSERVER"; wait "$MSERVER" || true
+
 # Redis: about as many requests as the HTTP run sent per mode, at least 200k.
 redis_run() { # $1 = pipeline depth
   redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" --dbnum "$REDIS_DB" -c 50 -P "$1" \
@@ -65,6 +74,9 @@ ok1 = single['ops_per_s'] / r1['ops_per_s']
 print(f"| dedupgate HTTP single claim, {conns} conns | {single['ops_per_s']:,.0f} | {single['p50_ms']:.3f} | {single['p99_ms']:.3f} | {ok1:.2f}x of -P 1 | >= 0.5x, p99 < 5 ms |")
 okb = batched['ops_per_s'] / r16['ops_per_s']
 print(f"| dedupgate HTTP batch of {batch} claims, {conns} conns | {batched['ops_per_s']:,.0f} | {batched['p50_ms']:.3f} | {batched['p99_ms']:.3f} | {okb:.2f}x of -P 16 | >= 1x |")
+for name, path, base, label in [("single claim", "mem-single", r1, "-P 1"), (f"batch of {batch} claims", "mem-batch", r16, "-P 16")]:
+    m = json.load(open(f"{work}/{path}.json"))
+    print(f"| memory store (HTTP face only): {name}, {conns} conns | {m['ops_per_s']:,.0f} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} | {m['ops_per_s']/base['ops_per_s']:.2f}x of {label} | not durable: for attribution |")
 print()
 print(f"single: {single['requests_ok']} requests ok, {single['requests_failed']} failed; "
       f"batch: {batched['requests_ok']} requests ok ({batched['requests_per_s']:,.0f} req/s), {batched['requests_failed']} failed")
