@@ -1,8 +1,8 @@
 //! One module per subcommand.
 
 pub mod api;
-pub mod bench;
 pub mod audit;
+pub mod bench;
 pub mod dedup;
 pub mod id;
 pub mod pipeline;
