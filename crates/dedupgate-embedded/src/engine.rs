@@ -62,6 +62,11 @@ pub trait Engine: Send + 'static {
     fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError>;
     /// What the engine is, for logs.
     fn describe(&self) -> String;
+    /// Called once at a clean shutdown (never after a failed write): lets the engine leave its
+    /// files in the state that reopens fastest. Everything acknowledged is already durable.
+    fn close(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
 }
 
 /// Opens (or reopens after a failure) an engine. Called on the writer thread.
@@ -232,5 +237,18 @@ impl Engine for FjallEngine {
 
     fn describe(&self) -> String {
         format!("fjall {}", self.path.display())
+    }
+
+    /// Flushes every memtable into sorted segments, so the journals they came from are freed
+    /// and the next open replays (almost) nothing: replaying ~20 MB of journal for 100k entries
+    /// took ~0.7 s of every start-up. Only a clean close does this: after a failed write the
+    /// memtables may hold changes that never reached the journal, and those must not be made
+    /// durable behind the writer's back.
+    fn close(&mut self) -> Result<(), EngineError> {
+        for partition in [&self.entries, &self.expiry, &self.meta] {
+            partition.rotate_memtable_and_wait()?;
+        }
+        self.keyspace.persist(fjall::PersistMode::SyncAll)?;
+        Ok(())
     }
 }
