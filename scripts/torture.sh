@@ -60,7 +60,7 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
   run "lin embedded #$n" lin --store "embedded:$out/lin-emb-$n" --histories 10
   rm -rf "$out/lin-emb-$n"
   run "lin redis #$n" lin --store "$redis" --histories 10
-  run "lin postgres #$n" lin --store "$pg" --histories 10 --clock-may-lag
+  run "lin postgres #$n" lin --store "$pg" --histories 10
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
   "$bin" gate --store memory: --listen "127.0.0.1:$port" >"$out/lin-gate.log" 2>&1 &
   gate=$!
