@@ -296,6 +296,7 @@ pub fn write_python_number(text: &str, out: &mut String) {
 /// assert_eq!(repr(0.1), "0.1");
 /// assert_eq!(repr(1.5e300), "1.5e+300");
 /// assert_eq!(repr(f64::INFINITY), "Infinity");
+/// assert_eq!(repr(949564438381394.25), "949564438381394.2"); // a tie: the even digit
 /// ```
 pub fn write_python_float(f: f64, out: &mut String) {
     if f.is_nan() {
@@ -306,23 +307,33 @@ pub fn write_python_float(f: f64, out: &mut String) {
         out.push_str(if f > 0.0 { "Infinity" } else { "-Infinity" });
         return;
     }
-    // `{:e}` gives the shortest digits that round-trip, as Python's repr uses, e.g. "1.5e300".
-    let sci = format!("{f:e}");
-    let (sign, sci) = match sci.strip_prefix('-') {
+    // Python's repr takes the shortest digits that round-trip and, when two such strings are
+    // equally close to the binary value, the one ending in an even digit (949564438381394.25 is
+    // written ...394.2). Ryu breaks ties the same way; Rust's own `{:e}` rounds them up.
+    let mut buffer = ryu::Buffer::new();
+    let text = buffer.format_finite(f);
+    let (sign, text) = match text.strip_prefix('-') {
         Some(rest) => ("-", rest),
-        None => ("", sci.as_str()),
+        None => ("", text),
     };
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci, "0"));
+    let (mantissa, exp) = text.split_once(['e', 'E']).unwrap_or((text, "0"));
     let exp: i32 = exp.parse().unwrap_or(0);
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    let digits = if digits.is_empty() {
-        "0".to_owned()
+    let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    // The value is 0.DIGITS x 10^decpt.
+    let all = format!("{int_part}{frac_part}");
+    let leading = all.len() - all.trim_start_matches('0').len();
+    let digits = all.trim_start_matches('0').trim_end_matches('0');
+    let (digits, decpt) = if digits.is_empty() {
+        ("0".to_owned(), 1)
     } else {
-        digits
+        (
+            digits.to_owned(),
+            int_part.len() as i32 + exp - leading as i32,
+        )
     };
     // Python's rule (format_float_short, mode 'r'): with the value as 0.DIGITS x 10^decpt,
     // positional when -4 < decpt <= 16, else exponent notation.
-    let decpt = exp + 1;
+    let exp = decpt - 1;
     out.push_str(sign);
     if decpt <= -4 || decpt > 16 {
         out.push_str(&digits[..1]);
