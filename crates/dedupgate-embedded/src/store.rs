@@ -380,6 +380,7 @@ impl EmbeddedStore {
         shared.available.store(true, Ordering::Release);
         let (tx, rx) = mpsc::channel(options.queue_requests_max);
         let writer = Writer {
+            scratch: Default::default(),
             rx,
             opener,
             engine: Some(engine),
