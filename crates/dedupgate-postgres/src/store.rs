@@ -334,7 +334,7 @@ impl PgStore {
         schema::migrate(&mut client, &options).await?;
         drop(client);
         let sql = Sql::new(&options.quoted_schema());
-        tracing::info!(store = %description, "dedupgate postgres store open");
+        tracing::debug!(store = %description, "dedupgate postgres store open");
         Ok(Self {
             pool,
             options,
