@@ -202,6 +202,10 @@ async fn wait_for_replicas_answers_unavailable_until_a_replica_acks() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // A generous WAIT timeout here: on a loaded machine a freshly linked replica may take more
+    // than 100 ms to acknowledge, and this half checks that an attached replica suffices.
+    let url = format!("{}?wait_replicas=1&wait_timeout_ms=10000", primary.url());
+    let store = RedisStore::open(&url).await.unwrap();
     let r = store.apply(id("w2"), claim()).await;
     assert!(
         matches!(r, Ok(Outcome::Claimed(Claim::New(_)))),
