@@ -3,9 +3,10 @@
 //! For each record count in `DG_OPEN_RECORDS` (default `100000,1000000`): fills a new store with
 //! that many unique claims through `apply_batch` (batches of `DG_OPEN_BATCH`, default 1,000; the
 //! fill rate is the store's batch-claim throughput), closes it cleanly, and times
-//! `EmbeddedStore::open` three times (each followed by a clean close). Then it kills nothing:
-//! crash recovery is timed by the crash test. Prints a markdown table. Files go under
-//! `DG_BENCH_DIR` (default the system temp dir) and are removed afterwards.
+//! `EmbeddedStore::open` three times (each followed by a clean close). Then the same after a
+//! crash: a child process (this binary again) fills a new store and exits without closing it, so
+//! the next open must replay the journal. Prints a markdown table. Files go under `DG_BENCH_DIR`
+//! (default the system temp dir) and are removed afterwards.
 
 use std::time::Instant;
 
@@ -21,7 +22,40 @@ fn claim_op() -> Op {
     }
 }
 
+/// Fills a new store at `dir` with `n` unique claims in batches of `batch`; returns claims/s.
+fn fill(rt: &tokio::runtime::Runtime, store: &EmbeddedStore, n: usize, batch: usize) -> f64 {
+    let started = Instant::now();
+    rt.block_on(async {
+        let mut i = 0usize;
+        while i < n {
+            let m = batch.min(n - i);
+            let ops: Vec<(RecordId, Op)> = (i..i + m)
+                .map(|k| {
+                    (
+                        RecordId::new("bench", format!("key-{k:09}")).unwrap(),
+                        claim_op(),
+                    )
+                })
+                .collect();
+            for r in store.apply_batch(ops).await {
+                r.unwrap();
+            }
+            i += m;
+        }
+    });
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
 fn main() {
+    if let Ok(spec) = std::env::var("DG_OPEN_CHILD_FILL") {
+        // The child: fill, then exit without closing the store (no destructor runs), as a crash
+        // would leave it. Every batch was acknowledged, so it is in the fdatasync'd journal.
+        let (n, dir) = spec.split_once(':').expect("N:DIR");
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let store = EmbeddedStore::open(dir, EmbeddedOptions::default()).unwrap();
+        fill(&rt, &store, n.parse().unwrap(), 1_000);
+        std::process::exit(0);
+    }
     let counts: Vec<usize> = std::env::var("DG_OPEN_RECORDS")
         .unwrap_or_else(|_| "100000,1000000".into())
         .split(',')
@@ -39,32 +73,13 @@ fn main() {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    println!("| records | fill (batch claims/s, batches of {batch}) | open after clean close, ms (3 runs) | disk MiB |");
-    println!("|---:|---:|---|---:|");
+    println!("| records | fill (batch claims/s, batches of {batch}) | open after clean close, ms (3 runs) | open after a crash, ms | disk MiB |");
+    println!("|---:|---:|---|---:|---:|");
     for n in counts {
         let dir = base.join(format!("dg-open-bench-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let store = EmbeddedStore::open(&dir, EmbeddedOptions::default()).unwrap();
-        let started = Instant::now();
-        rt.block_on(async {
-            let mut i = 0usize;
-            while i < n {
-                let m = batch.min(n - i);
-                let ops: Vec<(RecordId, Op)> = (i..i + m)
-                    .map(|k| {
-                        (
-                            RecordId::new("bench", format!("key-{k:09}")).unwrap(),
-                            claim_op(),
-                        )
-                    })
-                    .collect();
-                for r in store.apply_batch(ops).await {
-                    r.unwrap();
-                }
-                i += m;
-            }
-        });
-        let fill_rate = n as f64 / started.elapsed().as_secs_f64();
+        let fill_rate = fill(&rt, &store, n, batch);
         drop(store);
         let mut opens = Vec::new();
         for _ in 0..3 {
@@ -76,8 +91,20 @@ fn main() {
             drop(store);
         }
         let bytes: u64 = walk_size(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .env("DG_OPEN_CHILD_FILL", format!("{n}:{}", dir.display()))
+            .status()
+            .unwrap();
+        assert!(status.success(), "the filling child failed: {status}");
+        let started = Instant::now();
+        let store = EmbeddedStore::open(&dir, EmbeddedOptions::default()).unwrap();
+        let crash_open_ms = started.elapsed().as_secs_f64() * 1e3;
+        let held = rt.block_on(store.stats()).unwrap().records_held;
+        assert_eq!(held, Some(n as u64));
+        drop(store);
         println!(
-            "| {n} | {fill_rate:.0} | {} | {:.1} |",
+            "| {n} | {fill_rate:.0} | {} | {crash_open_ms:.0} | {:.1} |",
             opens
                 .iter()
                 .map(|ms| format!("{ms:.0}"))
