@@ -12,7 +12,8 @@
 //! - `writer` (private): a single thread drains a bounded queue, decides each op in order with
 //!   [`dedupgate_core::decide`], writes the batch in one transaction, fsyncs once, then answers
 //!   every waiter. After a failed write or fsync it answers "unavailable" until the engine has
-//!   reopened cleanly.
+//!   reopened cleanly. At a clean shutdown it lets the engine flush its memtables, so the next
+//!   open replays no journal.
 //! - [`engine`]: the seam between the writer and the storage engine. [`engine::FjallEngine`]
 //!   (an LSM tree: a commit is one journal append and one fdatasync) is the one shipped, chosen
 //!   by measurement against redb, redb behind our own log, and SQLite (see
