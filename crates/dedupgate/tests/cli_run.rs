@@ -495,3 +495,42 @@ fn run_against_a_server() {
     );
     assert_eq!(env.count_lines("count"), 1);
 }
+
+/// CMD sees its claim's namespace, key and fence, and a retry after a failure runs under a
+/// higher fence, so a downstream system can refuse the earlier, stale run.
+#[test]
+fn cmd_gets_its_fence_and_a_retry_gets_a_higher_one() {
+    let env = Env::new("fence");
+    let log = env.path("fences");
+    let script = format!(
+        "echo \"$DEDUPGATE_NAMESPACE $DEDUPGATE_KEY $DEDUPGATE_FENCE\" >> {}; exit 3",
+        log.display()
+    );
+    let first = env.run(&["--key", "nightly"], &script);
+    assert_eq!(code(&first), 3, "CMD's own code: {}", stderr(&first));
+    let ok = format!(
+        "echo \"$DEDUPGATE_NAMESPACE $DEDUPGATE_KEY $DEDUPGATE_FENCE\" >> {}",
+        log.display()
+    );
+    let second = env.run(&["--key", "nightly"], &ok);
+    assert_eq!(code(&second), 0, "{}", stderr(&second));
+    let idem = env.run(&["--key", "once", "--mode", "idempotent"], &ok);
+    assert_eq!(code(&idem), 0, "{}", stderr(&idem));
+
+    let lines: Vec<Vec<String>> = fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').map(str::to_owned).collect())
+        .collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    for (line, key) in lines.iter().zip(["nightly", "nightly", "once"]) {
+        assert_eq!(line[0], env.namespace);
+        assert_eq!(line[1], key);
+    }
+    let fence = |i: usize| -> u64 { lines[i][2].parse().expect("a numeric fence") };
+    assert!(fence(0) > 0 && fence(2) > 0);
+    assert!(
+        fence(1) > fence(0),
+        "the retry runs under a higher fence: {lines:?}"
+    );
+}

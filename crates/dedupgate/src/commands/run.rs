@@ -33,7 +33,7 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use super::pipeline::backend::{is_lease_lost, Backend};
 use super::pipeline::now_ms;
-use crate::store_spec::StoreSpec;
+use dedupgate_stores::StoreSpec;
 
 /// Exit code when the gate itself failed.
 pub const EXIT_GATE_FAILED: u8 = 125;
@@ -181,8 +181,9 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                     eprintln!("{}", skip_message(&plan.key, &record));
                     Ok(args.skip_exit_code)
                 }
-                Mark::New { .. } => {
-                    let outcome = spawn_and_wait(&args, None).await;
+                Mark::New { record } => {
+                    let env = gate_env(&plan, record.fence);
+                    let outcome = spawn_and_wait(&args, &env, None).await;
                     Ok(outcome.exit_code)
                 }
             }
@@ -221,7 +222,8 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                 lease_ms: plan.lease_ms,
             };
             let run_started_ms = now_ms();
-            let outcome = spawn_and_wait(&args, Some(keep_alive)).await;
+            let env = gate_env(&plan, lease.fence);
+            let outcome = spawn_and_wait(&args, &env, Some(keep_alive)).await;
             if outcome.exit_code == 0 && outcome.spawned {
                 let result = json!({
                     "exit_code": 0,
@@ -351,10 +353,25 @@ struct Outcome {
     stderr_tail: String,
 }
 
-async fn spawn_and_wait(args: &RunArgs, keep_alive: Option<KeepAlive>) -> Outcome {
+/// What CMD learns of its claim through the environment, so it can pass the fence to the
+/// systems it writes to and let them refuse a stale run (a fencing token).
+fn gate_env(plan: &Plan, fence: u64) -> [(&'static str, String); 3] {
+    [
+        ("DEDUPGATE_NAMESPACE", plan.ns.clone()),
+        ("DEDUPGATE_KEY", plan.key.clone()),
+        ("DEDUPGATE_FENCE", fence.to_string()),
+    ]
+}
+
+async fn spawn_and_wait(
+    args: &RunArgs,
+    env: &[(&'static str, String)],
+    keep_alive: Option<KeepAlive>,
+) -> Outcome {
     let (program, rest) = args.command.split_first().expect("clap requires CMD");
     let mut cmd = tokio::process::Command::new(program);
     cmd.args(rest).stdin(Stdio::inherit());
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
     if args.no_capture {
         cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());
     } else {
