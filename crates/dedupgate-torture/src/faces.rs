@@ -1,11 +1,9 @@
 //! The gate under test, whichever face it has: every face is driven through the core's
 //! [`Store`] trait so that one recorder, one worker and one checker serve them all.
 //!
-//! - [`open`]: a store from a STORE string. It accepts the forms of `dedupgate`'s
-//!   `store_spec.rs` that the harness drives (`memory:`, `embedded:PATH` or a path,
-//!   `redis://…`, `postgres://…`, `tiered:FAST,DURABLE`) plus `http://HOST:PORT` for the HTTP face. It only dispatches
-//!   on the prefix; the parsing rules live in the binary (see the report: `store_spec` belongs
-//!   in a small library both can use).
+//! - [`open`]: a store from a STORE string: `http://HOST:PORT` for the HTTP face, or any form
+//!   `dedupgate` itself takes (`memory:`, `embedded:PATH` or a path, `redis://…`,
+//!   `postgres://…`, `tiered:FAST,DURABLE`, …), parsed and opened by `dedupgate-stores`.
 //! - [`HttpStore`]: the HTTP face (a `dedupgate serve` or [`serve_gate`]) seen as a [`Store`],
 //!   through `dedupgate-client` with its retries turned off: the harness makes every retry a
 //!   separate recorded operation, so a history holds exactly what reached the gate.
@@ -15,87 +13,40 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dedupgate_client::{Client, ClientError, MarkOptions, RetryPolicy};
-use dedupgate_core::{
-    ClaimOptions, GateError, MemoryStore, Op, Outcome, RecordId, Store, StoreError,
-};
+use dedupgate_core::{ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError};
 
 /// Why a store would not open.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// The STORE string names no form the harness drives.
-    #[error("unsupported store {0:?}: use memory:, embedded:PATH, a path, redis://, postgres:// or http://")]
-    Unsupported(String),
+    #[error("{0} (or http:// for the HTTP face)")]
+    Spec(#[from] dedupgate_stores::SpecError),
     /// The store refused to open.
-    #[error("opening {spec}: {reason}")]
-    Failed {
-        /// The STORE string.
+    #[error(transparent)]
+    Store(#[from] dedupgate_stores::OpenStoreError),
+    /// The HTTP face's client would not build.
+    #[error("opening {spec}: {source}")]
+    Http {
+        /// The base URL.
         spec: String,
         /// Why.
-        reason: String,
+        #[source]
+        source: ClientError,
     },
 }
 
 /// Opens the store a STORE string names (see the module doc for the forms).
 pub async fn open(spec: &str) -> Result<Arc<dyn Store>, OpenError> {
-    Box::pin(open_inner(spec)).await
-}
-
-async fn open_inner(spec: &str) -> Result<Arc<dyn Store>, OpenError> {
     let spec = spec.trim();
-    if let Some(rest) = spec.strip_prefix("tiered:") {
-        // Split where the durable spec starts, as store_spec.rs does (cluster specs hold commas).
-        const STARTS: [&str; 5] = [
-            "memory:",
-            "embedded:",
-            "redis://",
-            "postgres://",
-            "postgresql://",
-        ];
-        let split = rest
-            .match_indices(',')
-            .map(|(i, _)| i)
-            .find(|&i| STARTS.iter().any(|p| rest[i + 1..].starts_with(p)));
-        let Some(i) = split else {
-            return Err(OpenError::Unsupported(spec.to_owned()));
-        };
-        let fast = open(&rest[..i]).await?;
-        let durable = open(&rest[i + 1..]).await?;
-        return Ok(Arc::new(dedupgate_tiered::TieredStore::new(fast, durable)));
-    }
-    let failed = |reason: String| OpenError::Failed {
-        spec: spec.to_owned(),
-        reason,
-    };
-    if spec == "memory:" || spec == "memory" {
-        return Ok(Arc::new(MemoryStore::new()));
-    }
     if spec.starts_with("http://") || spec.starts_with("https://") {
-        return Ok(Arc::new(
-            HttpStore::new(spec).map_err(|e| failed(e.to_string()))?,
-        ));
-    }
-    if spec.starts_with("redis://") {
-        let store = dedupgate_redis::RedisStore::open(spec)
-            .await
-            .map_err(|e| failed(e.to_string()))?;
+        let store = HttpStore::new(spec).map_err(|source| OpenError::Http {
+            spec: spec.to_owned(),
+            source,
+        })?;
         return Ok(Arc::new(store));
     }
-    if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
-        let store = dedupgate_postgres::PgStore::open(spec)
-            .await
-            .map_err(|e| failed(e.to_string()))?;
-        return Ok(Arc::new(store));
-    }
-    if spec.contains("://") || spec.is_empty() {
-        return Err(OpenError::Unsupported(spec.to_owned()));
-    }
-    let path = spec.strip_prefix("embedded:").unwrap_or(spec);
-    let store = dedupgate_embedded::EmbeddedStore::open(
-        path,
-        dedupgate_embedded::EmbeddedOptions::default(),
-    )
-    .map_err(|e| failed(e.to_string()))?;
-    Ok(Arc::new(store))
+    let parsed: dedupgate_stores::StoreSpec = spec.parse()?;
+    Ok(dedupgate_stores::open(&parsed).await?)
 }
 
 /// Serves the HTTP API over `store` on `listener` until `shutdown` resolves: the same

@@ -2,7 +2,6 @@
 //! `commands/` and is a thin adapter: it parses flags, opens a store, and calls a library crate.
 
 mod commands;
-mod store_spec;
 
 use std::process::ExitCode;
 

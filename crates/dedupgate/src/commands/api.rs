@@ -12,7 +12,7 @@ use dedupgate_core::{ClaimOptions, Gate, GateError, Op, Outcome, RecordId, Token
 use dedupgate_server::parse_duration_ms;
 use serde_json::{json, Value};
 
-use crate::store_spec::{self, StoreSpec};
+use dedupgate_stores::{self as store_spec, StoreSpec};
 
 /// Where the operation goes.
 #[derive(clap::Args, Debug, Clone)]
@@ -331,8 +331,12 @@ async fn via_server(url: &str, call: &Call) -> Result<Value, Failure> {
 }
 
 async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
-    let spec: StoreSpec = spec.parse().map_err(Failure::Other)?;
-    let store = store_spec::open(&spec).await.map_err(Failure::Other)?;
+    let spec: StoreSpec = spec
+        .parse()
+        .map_err(|e: dedupgate_stores::SpecError| Failure::Other(e.into()))?;
+    let store = store_spec::open(&spec)
+        .await
+        .map_err(|e| Failure::Other(e.into()))?;
     let gate = Gate::from_arc(store);
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     Ok(match &call.op {

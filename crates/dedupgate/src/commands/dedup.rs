@@ -29,7 +29,7 @@ use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
 use super::pipeline::parallel::for_each_keyed_chunk;
 use super::pipeline::records::{Keyed, Records};
 use super::pipeline::{line_value, now_ms, progress, runtime, Rejects, PROGRESS_EVERY_LINES};
-use crate::store_spec::StoreSpec;
+use dedupgate_stores::StoreSpec;
 
 /// Most records per ledger batch (one claim commit and one complete commit each).
 pub const LEDGER_BATCH_RECORDS: usize = 8192;

@@ -17,7 +17,7 @@ use dedupgate_proxy::{
     Sealer, UpstreamConfig,
 };
 
-use crate::store_spec::{self, StoreSpec};
+use dedupgate_stores::{self as store_spec, StoreSpec};
 
 /// Default listen address: loopback, beside `serve`'s 7878.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7879";
@@ -197,9 +197,13 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(r: Resolved) -> anyhow::Result<()> {
-    let store: Arc<dyn dedupgate_core::Store> = store_spec::open(&r.store)
-        .await
-        .with_context(|| format!("cannot open store {:?}", r.store))?;
+    let store: Arc<dyn dedupgate_core::Store> =
+        store_spec::open(&r.store).await.with_context(|| {
+            format!(
+                "cannot open store {}",
+                super::pipeline::backend::describe(&r.store)
+            )
+        })?;
     let upstream = r.config.upstream.url.clone();
     let encrypted = r.config.idempotency.sealer.is_some();
     let describe = store.describe();

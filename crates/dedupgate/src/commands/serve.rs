@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use dedupgate_core::Defaults;
 use dedupgate_server::{parse_duration_ms, AppState, FileConfig, Limits, ServerConfig};
 
-use crate::store_spec::{self, StoreSpec};
+use dedupgate_stores::{self as store_spec, StoreSpec};
 
 /// Default listen address: loopback, so a fresh install is not reachable from the network.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7878";
@@ -208,9 +208,13 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
              the config file, listen on 127.0.0.1, or pass --allow-unauthenticated-remote"
         );
     }
-    let store: Arc<dyn dedupgate_core::Store> = store_spec::open(&r.store)
-        .await
-        .with_context(|| format!("cannot open store {:?}", r.store))?;
+    let store: Arc<dyn dedupgate_core::Store> =
+        store_spec::open(&r.store).await.with_context(|| {
+            format!(
+                "cannot open store {}",
+                super::pipeline::backend::describe(&r.store)
+            )
+        })?;
     let auth = if auth_on {
         format!("on ({} tokens)", r.config.tokens.len())
     } else {

@@ -16,7 +16,7 @@ use dedupgate_core::{
 };
 use serde_json::{json, Value};
 
-use crate::store_spec::{self, StoreSpec};
+use dedupgate_stores::{self as store_spec, StoreSpec};
 
 /// How long an open waits for another process to let go of an embedded store directory.
 pub const DEFAULT_LOCK_WAIT_MS: u64 = 30_000;
@@ -39,25 +39,15 @@ pub enum Backend {
     Remote(Client),
 }
 
-/// True when an error says the store directory is locked by another process.
-fn is_locked(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        matches!(
-            c.downcast_ref::<dedupgate_embedded::OpenError>(),
-            Some(dedupgate_embedded::OpenError::Locked { .. })
-        )
-    })
-}
-
 async fn open_waiting(spec: &StoreSpec, lock_wait_ms: u64) -> anyhow::Result<Arc<dyn Store>> {
     let started = Instant::now();
     loop {
         match store_spec::open(spec).await {
             Ok(store) => return Ok(store),
-            Err(e) if is_locked(&e) && started.elapsed().as_millis() < u128::from(lock_wait_ms) => {
+            Err(e) if e.is_locked() && started.elapsed().as_millis() < u128::from(lock_wait_ms) => {
                 tokio::time::sleep(Duration::from_millis(LOCK_RETRY_MS)).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
     }
 }

@@ -1,0 +1,294 @@
+//! The STORE forms every `--store` and `--ledger` flag takes (API.md "Command line"), parsed once
+//! and opened here, so the binary and the torture harness accept the same spellings.
+//!
+//! - [`StoreSpec`]: a parsed STORE string (`memory:`, a path or `embedded:PATH`, `redis://…`,
+//!   `redis+cluster://…`, `postgres://…`, `tiered:FAST,DURABLE`); parsing fails with a
+//!   [`SpecError`].
+//! - [`open`]: the store a spec names, as an `Arc<dyn Store>`; failures are an
+//!   [`OpenStoreError`] that names the store with its password redacted ([`redact`]) and keeps
+//!   the store's own error as its source (so callers can still match, e.g., a locked directory).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use dedupgate_core::{MemoryStore, Store};
+
+/// Where the gate keeps its records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreSpec {
+    /// `memory:` — forgets on restart; for tests and trials.
+    Memory,
+    /// A path, or `embedded:PATH` — the durable default.
+    Embedded(PathBuf),
+    /// `redis://…` or `rediss://…`.
+    Redis(String),
+    /// `redis+cluster://host:port,host:port,…`.
+    RedisCluster(String),
+    /// `postgres://…` or `postgresql://…`.
+    Postgres(String),
+    /// `tiered:FAST,DURABLE` — the fast store answers most duplicates; the durable one decides.
+    Tiered(Box<StoreSpec>, Box<StoreSpec>),
+}
+
+/// The default data directory of the embedded store.
+pub const DEFAULT_DATA_DIR: &str = "./dedupgate-data";
+
+/// Why a STORE string does not parse.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    /// Nothing was given.
+    #[error("empty store: give a path, embedded:PATH, memory:, redis://…, redis+cluster://…, postgres://… or tiered:FAST,DURABLE")]
+    Empty,
+    /// `tiered:` without a comma before a recognisable durable spec.
+    #[error("tiered store {spec:?}: expected tiered:FAST,DURABLE")]
+    Tiered {
+        /// The STORE string, password redacted.
+        spec: String,
+    },
+    /// `embedded:` with no directory.
+    #[error("embedded: needs a directory, e.g. embedded:./dedupgate-data")]
+    EmbeddedNoPath,
+    /// A `scheme://` the gate has no store for.
+    #[error("unknown store scheme {scheme:?}: use memory:, embedded:PATH, redis://, redis+cluster://, postgres:// or tiered:")]
+    UnknownScheme {
+        /// The scheme as given.
+        scheme: String,
+    },
+}
+
+/// Why a store would not open. Each variant names the store (password redacted) and keeps the
+/// store's own error as its source.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenStoreError {
+    /// The embedded store refused to open (locked directory, corrupt journal, I/O).
+    #[error("opening the embedded store in {}", dir.display())]
+    Embedded {
+        /// The data directory.
+        dir: PathBuf,
+        /// The store's error.
+        #[source]
+        source: dedupgate_embedded::OpenError,
+    },
+    /// The blocking task that opens the embedded store panicked or was cancelled.
+    #[error("the embedded store's open task failed")]
+    EmbeddedTask(#[source] tokio::task::JoinError),
+    /// The PostgreSQL store refused to open.
+    #[error("opening the PostgreSQL store {spec}")]
+    Postgres {
+        /// The URL, password redacted.
+        spec: String,
+        /// The store's error.
+        #[source]
+        source: dedupgate_postgres::PgError,
+    },
+    /// The Redis (or Redis Cluster) store refused to open.
+    #[error("opening the Redis store {spec}")]
+    Redis {
+        /// The URL, password redacted.
+        spec: String,
+        /// The store's error.
+        #[source]
+        source: dedupgate_redis::OpenError,
+    },
+    /// The fast tier of a tiered store refused to open.
+    #[error("opening the fast tier of the tiered store")]
+    TieredFast(#[source] Box<OpenStoreError>),
+    /// The durable tier of a tiered store refused to open.
+    #[error("opening the durable tier of the tiered store")]
+    TieredDurable(#[source] Box<OpenStoreError>),
+}
+
+impl OpenStoreError {
+    /// True when an embedded store directory (in either tier) is locked by another process:
+    /// the one failure worth waiting out.
+    pub fn is_locked(&self) -> bool {
+        match self {
+            OpenStoreError::Embedded { source, .. } => {
+                matches!(source, dedupgate_embedded::OpenError::Locked { .. })
+            }
+            OpenStoreError::TieredFast(e) | OpenStoreError::TieredDurable(e) => e.is_locked(),
+            _ => false,
+        }
+    }
+}
+
+/// A STORE string (or URL) without its password, for messages and logs: the userinfo password
+/// and any `password=` query value become `***`.
+pub fn redact(spec: &str) -> String {
+    let s = dedupgate_redis::redact(spec);
+    let Some((head, query)) = s.split_once('?') else {
+        return s;
+    };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|kv| match kv.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+            _ => kv.to_owned(),
+        })
+        .collect();
+    format!("{head}?{}", query.join("&"))
+}
+
+impl std::str::FromStr for StoreSpec {
+    type Err = SpecError;
+
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(SpecError::Empty);
+        }
+        if s == "memory:" || s == "memory" {
+            return Ok(StoreSpec::Memory);
+        }
+        if let Some(rest) = s.strip_prefix("tiered:") {
+            // Split at the first comma that starts a store spec (cluster specs hold commas).
+            let (fast, durable) =
+                split_tiered(rest).ok_or_else(|| SpecError::Tiered { spec: redact(s) })?;
+            return Ok(StoreSpec::Tiered(
+                Box::new(fast.parse()?),
+                Box::new(durable.parse()?),
+            ));
+        }
+        if let Some(path) = s.strip_prefix("embedded:") {
+            if path.is_empty() {
+                return Err(SpecError::EmbeddedNoPath);
+            }
+            return Ok(StoreSpec::Embedded(PathBuf::from(path)));
+        }
+        if s.starts_with("redis+cluster://") {
+            return Ok(StoreSpec::RedisCluster(s.to_owned()));
+        }
+        if s.starts_with("redis://") || s.starts_with("rediss://") || s.starts_with("redis+unix://")
+        {
+            return Ok(StoreSpec::Redis(s.to_owned()));
+        }
+        if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            return Ok(StoreSpec::Postgres(s.to_owned()));
+        }
+        if let Some((scheme, _)) = s.split_once("://") {
+            return Err(SpecError::UnknownScheme {
+                scheme: scheme.to_owned(),
+            });
+        }
+        Ok(StoreSpec::Embedded(PathBuf::from(s)))
+    }
+}
+
+/// Splits `FAST,DURABLE` at the first comma followed by the start of a store spec: cluster
+/// URLs hold commas of their own.
+fn split_tiered(rest: &str) -> Option<(&str, &str)> {
+    const STARTS: [&str; 7] = [
+        "memory:",
+        "embedded:",
+        "redis://",
+        "rediss://",
+        "redis+cluster://",
+        "postgres://",
+        "postgresql://",
+    ];
+    rest.match_indices(',').map(|(i, _)| i).find_map(|i| {
+        let (fast, durable) = (&rest[..i], &rest[i + 1..]);
+        STARTS
+            .iter()
+            .any(|p| durable.starts_with(p))
+            .then_some((fast, durable))
+    })
+}
+
+impl Default for StoreSpec {
+    fn default() -> Self {
+        StoreSpec::Embedded(PathBuf::from(DEFAULT_DATA_DIR))
+    }
+}
+
+/// Opens the store a spec names.
+pub async fn open(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenStoreError> {
+    match spec {
+        StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
+        StoreSpec::Embedded(dir) => {
+            let dir = dir.clone();
+            // Opening replays the engine journal: file I/O, kept off the async workers.
+            let store = tokio::task::spawn_blocking(move || {
+                dedupgate_embedded::EmbeddedStore::open(
+                    &dir,
+                    dedupgate_embedded::EmbeddedOptions::default(),
+                )
+                .map_err(|source| OpenStoreError::Embedded { dir, source })
+            })
+            .await
+            .map_err(OpenStoreError::EmbeddedTask)??;
+            Ok(Arc::new(store))
+        }
+        StoreSpec::Postgres(url) => {
+            let store = dedupgate_postgres::PgStore::open(url)
+                .await
+                .map_err(|source| OpenStoreError::Postgres {
+                    spec: redact(url),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
+        StoreSpec::Redis(url) | StoreSpec::RedisCluster(url) => {
+            let store = dedupgate_redis::RedisStore::open(url)
+                .await
+                .map_err(|source| OpenStoreError::Redis {
+                    spec: redact(url),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
+        StoreSpec::Tiered(fast, durable) => {
+            let fast = Box::pin(open(fast))
+                .await
+                .map_err(|e| OpenStoreError::TieredFast(Box::new(e)))?;
+            let durable = Box::pin(open(durable))
+                .await
+                .map_err(|e| OpenStoreError::TieredDurable(Box::new(e)))?;
+            Ok(Arc::new(dedupgate_tiered::TieredStore::new(fast, durable)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_form() {
+        assert_eq!("memory:".parse::<StoreSpec>().unwrap(), StoreSpec::Memory);
+        assert_eq!(
+            "./data".parse::<StoreSpec>().unwrap(),
+            StoreSpec::Embedded("./data".into())
+        );
+        assert_eq!(
+            "embedded:/var/lib/dg".parse::<StoreSpec>().unwrap(),
+            StoreSpec::Embedded("/var/lib/dg".into())
+        );
+        let tiered: StoreSpec = "tiered:redis+cluster://a:1,b:2,postgres://u@h/db"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            tiered,
+            StoreSpec::Tiered(
+                Box::new(StoreSpec::RedisCluster("redis+cluster://a:1,b:2".into())),
+                Box::new(StoreSpec::Postgres("postgres://u@h/db".into()))
+            )
+        );
+        assert!("ftp://x".parse::<StoreSpec>().is_err());
+        assert!("".parse::<StoreSpec>().is_err());
+        assert!("tiered:memory:".parse::<StoreSpec>().is_err());
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("postgres://u:secret@h/db?password=also&sslmode=disable"),
+            "postgres://u:***@h/db?password=***&sslmode=disable"
+        );
+        let err = "tiered:redis://u:secret@h:1"
+            .parse::<StoreSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("secret"), "{err}");
+    }
+}
