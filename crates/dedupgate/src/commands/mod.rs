@@ -19,3 +19,26 @@ pub fn init_tracing() {
         .with_writer(std::io::stderr)
         .init();
 }
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM: the signal that starts a graceful shutdown of the
+/// long-running subcommands (`serve`, `proxy`).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

@@ -214,28 +214,7 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
         "dedupgate proxy listening on http://{} upstream={upstream} store={describe} encrypted_at_rest={encrypted}",
         server.local_addr()?
     );
-    server.run(shutdown_signal()).await?;
+    server.run(super::shutdown_signal()).await?;
     tracing::info!("dedupgate proxy stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
 }

@@ -225,28 +225,7 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
         store.describe()
     );
     let state = AppState::new(store, r.config);
-    dedupgate_server::serve(listener, state, shutdown_signal()).await?;
+    dedupgate_server::serve(listener, state, super::shutdown_signal()).await?;
     tracing::info!("dedupgate serve stopped: in-flight requests finished");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
 }
