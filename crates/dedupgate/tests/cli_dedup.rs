@@ -599,3 +599,207 @@ fn the_at_most_once_ledger_also_emits_only_what_is_new() {
         err(&second)
     );
 }
+
+/// `n` records `{"k":…,"i":i}` whose keys repeat at distances 1, 2, 5 and 40 lines (within a
+/// batch of 3, across batches within a window of 8 keys, and far beyond it), with the first
+/// record of each key in input order as the expected output of keep-first.
+fn repeating(n: u32, offset: u32) -> (String, String, u32) {
+    let mut input = String::new();
+    let mut expected = String::new();
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..n {
+        let key = match i % 7 {
+            1 => i - 1,
+            3 => i - 2,
+            5 => i - 5,
+            6 if i >= 40 => i - 40,
+            _ => i,
+        } + offset;
+        let line = format!("{{\"k\":{key},\"i\":{}}}\n", i + offset);
+        if seen.insert(key) {
+            expected.push_str(&line);
+        }
+        input.push_str(&line);
+    }
+    let distinct = seen.len() as u32;
+    (input, expected, distinct)
+}
+
+/// The lines of `records` whose key `k` no line of `earlier` has.
+fn not_in(records: &str, earlier: &str) -> String {
+    let key = |l: &str| serde_json::from_str::<serde_json::Value>(l).unwrap()["k"].clone();
+    let known: std::collections::HashSet<String> =
+        earlier.lines().map(|l| key(l).to_string()).collect();
+    records
+        .lines()
+        .filter(|l| !known.contains(&key(l).to_string()))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// Keys repeated within one ledger batch, across batches inside the run's window, and beyond
+/// the window (where only the ledger knows them): every key is emitted once, in input order,
+/// whatever the batch size and the mode; a re-run emits nothing, and a run over an overlapping
+/// input only what is new.
+#[test]
+fn ledger_batches_and_the_window_decide_like_the_in_memory_dedup() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, expected, distinct) = repeating(300, 0);
+    let path = write(dir.path(), "r.jsonl", &input);
+    let no_ledger = dg()
+        .args(["dedup", "--key-fields", "k"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out(&no_ledger), expected);
+    // Batch sizes 1, 3 and 4 (the window holds 8 keys, far less than the 40-line repeats; 3
+    // divides the distinct keys, so the last batch is full, 4 does not) and the default.
+    assert_eq!(distinct % 3, 0, "a batch size of 3 ends on a full batch");
+    for (i, (batch, mode)) in [
+        ("1", "retriable"),
+        ("3", "retriable"),
+        ("3", "at-most-once"),
+        ("4", "retriable"),
+        ("4096", "retriable"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (store, ns) = ledger(dir.path());
+        let ns = format!("{ns}-{i}");
+        let dedup = |input: &Path| {
+            dg().args(["dedup", "--key-fields", "k", "--ledger-window", "8"])
+                .args(["--ledger-batch", batch, "--ledger-mode", mode])
+                .args(["--ledger", &store, "--namespace", &ns])
+                .arg(input)
+                .output()
+                .unwrap()
+        };
+        let first = dedup(&path);
+        assert!(first.status.success(), "{batch} {mode}: {}", err(&first));
+        assert!(
+            out(&first) == expected,
+            "batch {batch} {mode}: output differs from the first record of each key"
+        );
+        assert!(
+            err(&first).contains(&format!(
+                "read 300, emitted {distinct}, duplicates {}",
+                300 - distinct
+            )),
+            "{}",
+            err(&first)
+        );
+        let again = dedup(&path);
+        assert!(again.status.success(), "{}", err(&again));
+        assert_eq!(
+            out(&again),
+            "",
+            "batch {batch} {mode}: a re-run emits nothing"
+        );
+        // Keys 150.. again, then 300..: only the new ones come out.
+        let (later, later_expected, _) = repeating(300, 150);
+        let later_path = write(dir.path(), "later.jsonl", &later);
+        let third = dedup(&later_path);
+        assert!(third.status.success(), "{}", err(&third));
+        let new_only = not_in(&later_expected, &input);
+        assert!(
+            out(&third) == new_only,
+            "batch {batch} {mode}: overlap emitted again or new keys missing"
+        );
+    }
+}
+
+/// A run that stops at a bad record (no --rejects) emits, and records in the ledger, the
+/// records whose ledger call had gone out, and nothing it did not record; the re-run with
+/// --rejects emits exactly the rest: nothing twice, nothing lost.
+#[test]
+fn a_ledger_run_stopped_by_a_bad_record_is_finished_by_its_rerun() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, expected, _) = repeating(200, 0);
+    let mut lines: Vec<&str> = input.lines().collect();
+    lines.insert(150, "{\"k\": broken");
+    let path = write(dir.path(), "bad.jsonl", &(lines.join("\n") + "\n"));
+    for mode in ["retriable", "at-most-once"] {
+        let (store, ns) = ledger(dir.path());
+        let dedup = |extra: &[&str]| {
+            dg().args(["dedup", "--key-fields", "k", "--ledger-batch", "5"])
+                .args([
+                    "--ledger-mode",
+                    mode,
+                    "--ledger",
+                    &store,
+                    "--namespace",
+                    &ns,
+                ])
+                .args(extra)
+                .arg(&path)
+                .output()
+                .unwrap()
+        };
+        let stopped = dedup(&[]);
+        assert_eq!(stopped.status.code(), Some(1), "{}", err(&stopped));
+        assert!(err(&stopped).contains(":151:"), "{}", err(&stopped));
+        let head = out(&stopped);
+        assert!(
+            expected.starts_with(&head),
+            "{mode}: the stopped run's output is a prefix of the expected one"
+        );
+        let rejects = dir.path().join(format!("rejects-{mode}.jsonl"));
+        let rerun = dedup(&["--rejects", rejects.to_str().unwrap()]);
+        assert!(rerun.status.success(), "{}", err(&rerun));
+        assert!(
+            head.clone() + &out(&rerun) == expected,
+            "{mode}: the two runs together emit each key once, in order ({} + {} lines)",
+            head.lines().count(),
+            out(&rerun).lines().count()
+        );
+    }
+}
+
+/// Keep last with a ledger over many batches: each key's last record, in input order, once;
+/// keys a previous run emitted are not emitted again even if a later record of theirs appears.
+#[test]
+fn ledger_keep_last_across_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let (input, _, _) = repeating(120, 0);
+    let path = write(dir.path(), "l.jsonl", &input);
+    let dedup = |path: &Path, extra: &[&str]| {
+        dg().args(["dedup", "--key-fields", "k", "--keep", "last"])
+            .args(extra)
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let plain = dedup(&path, &[]);
+    let with_ledger = dedup(
+        &path,
+        &[
+            "--ledger-batch",
+            "4",
+            "--ledger",
+            &store,
+            "--namespace",
+            &ns,
+        ],
+    );
+    assert!(with_ledger.status.success(), "{}", err(&with_ledger));
+    assert!(!out(&plain).is_empty());
+    assert_eq!(out(&with_ledger), out(&plain));
+    let (more, _, _) = repeating(120, 100);
+    let more_path = write(dir.path(), "more.jsonl", &more);
+    let second = dedup(
+        &more_path,
+        &[
+            "--ledger-batch",
+            "4",
+            "--ledger",
+            &store,
+            "--namespace",
+            &ns,
+        ],
+    );
+    assert!(second.status.success(), "{}", err(&second));
+    let expected = not_in(&out(&dedup(&more_path, &[])), &input);
+    assert_eq!(out(&second), expected);
+}

@@ -1,17 +1,21 @@
 //! `dedupgate dedup`: lets the first (or last) record of each key through a JSON Lines or CSV
 //! stream. Without a ledger, keys are remembered in memory for this run (16 bytes per distinct
 //! key). With `--ledger STORE` (or `--server URL`) keys are remembered in the gate across runs
-//! with a ttl, and memory stays constant whatever the input size: re-running a pipeline over an
+//! with a ttl, and memory stays bounded whatever the input size: re-running a pipeline over an
 //! overlapping window emits only records not emitted before.
 //!
-//! Ledger protocol, per batch of at most [`LEDGER_BATCH_RECORDS`] records: claim every key of
-//! the batch (one group commit), write the records whose claim is new, flush the output, then
-//! complete those claims (one more commit). A run that dies between the claim and the complete
-//! leaves leases that expire after [`LEDGER_LEASE_MS`], so the next run emits those records
-//! again instead of losing them (its output is presumably redone too); a run that fails to
-//! write releases its claims at once.
+//! Ledger protocol ([`ledger`]): a key this run saw within its window of recent keys is a
+//! duplicate without asking the ledger; the others go to the ledger in batches, one call per
+//! batch in flight while the next batch is keyed. Retriable mode (default): claim the batch's
+//! keys, write the records whose claim is new, flush the output, and complete those claims
+//! with the next call. A run that dies between the claim and the complete leaves leases that
+//! expire after [`ledger::LEDGER_LEASE_MS`], so the next run emits those records again instead
+//! of losing them (its output is presumably redone too); a run that fails to write releases its
+//! claims at once. At-most-once mode marks the keys, then writes the new records.
 //!
 //! Exit codes: 0 done; 1 failed (bad input without `--rejects`, I/O, the ledger); 2 bad usage.
+
+mod ledger;
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -21,23 +25,16 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use dedupgate_core::keys::{parse_duration_ms, RawObject};
-use dedupgate_core::{Claim, Namespace, Token};
+use dedupgate_core::Namespace;
 
 use super::pipeline::backend::{Backend, DEFAULT_LOCK_WAIT_MS};
 use super::pipeline::input::{self, Format, Input};
 use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
 use super::pipeline::parallel::for_each_keyed_chunk;
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{line_value, now_ms, progress, runtime, Rejects, PROGRESS_EVERY_LINES};
+use super::pipeline::{line_value, now_ms, progress, Rejects, PROGRESS_EVERY_LINES};
 use dedupgate_stores::StoreSpec;
-
-/// Most records per ledger batch (one claim commit and one complete commit each).
-pub const LEDGER_BATCH_RECORDS: usize = 8192;
-/// Most output bytes held per ledger batch.
-pub const LEDGER_BATCH_BYTES: usize = 8 << 20;
-/// Lease of a ledger claim: how long a crashed run's records stay held before the next run
-/// may emit them.
-pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
+use ledger::Ledger;
 
 /// Which record of a key is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -95,6 +92,15 @@ pub struct DedupArgs {
     /// Ledger namespace.
     #[arg(long, default_value = "dedup", value_name = "NS")]
     namespace: String,
+    /// Records per ledger call (1..=5000).
+    #[arg(long, default_value_t = ledger::LEDGER_BATCH_RECORDS, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+              .range(1..=ledger::LEDGER_BATCH_RECORDS_MAX as u64))]
+    ledger_batch: usize,
+    /// Keys this run remembers in memory beside a ledger (16-34 bytes each): a repeat within
+    /// them is a duplicate without asking the ledger. At least two batches.
+    #[arg(long, default_value_t = ledger::LEDGER_WINDOW_KEYS, value_name = "KEYS")]
+    ledger_window: usize,
     /// Write records without a key here (JSON Lines: file, line, reason, record) and go on;
     /// without it the first such record stops the run.
     #[arg(long, value_name = "FILE")]
@@ -128,7 +134,12 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
     let lock_wait_ms = parse_duration_ms(&args.lock_wait).unwrap_or(DEFAULT_LOCK_WAIT_MS);
     Namespace::new(args.namespace.clone()).context("--namespace")?;
     let mut rejects = Rejects::open(args.rejects.as_deref())?;
-    let rt = runtime()?;
+    // One worker thread: a ledger call runs there while this thread keys the next batch.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     let ledger = match (&args.ledger, &args.server) {
         (None, None) => None,
         (ledger, server) => {
@@ -151,24 +162,39 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
         rejects: &mut rejects,
         bar: &bar,
     };
-    let result = match (&ledger, args.keep) {
+    let mut book = ledger.as_ref().map(|backend| {
+        Ledger::new(
+            backend,
+            &args.namespace,
+            ttl_ms,
+            args.ledger_mode,
+            &rt,
+            args.ledger_batch,
+            args.ledger_window,
+        )
+    });
+    let result = match (book.as_mut(), args.keep) {
         (None, Keep::First) if format == Format::Jsonl => {
             job.first_in_memory_jsonl(inputs, &mut *out)
         }
-        (Some(backend), Keep::First) if format == Format::Jsonl => {
-            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, args.ledger_mode, &rt);
-            job.first_with_ledger_jsonl(inputs, &mut sink, &mut *out)
+        (Some(book), Keep::First) if format == Format::Jsonl => {
+            job.first_with_ledger_jsonl(inputs, book, &mut *out)
         }
         (None, Keep::First) => job.first_in_memory(inputs, &mut *out),
         (None, Keep::Last) => job.last(inputs, None, &mut *out),
-        (Some(backend), Keep::First) => {
-            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, args.ledger_mode, &rt);
-            job.first_with_ledger(inputs, &mut sink, &mut *out)
+        (Some(book), Keep::First) => job.first_with_ledger(inputs, book, &mut *out),
+        (Some(book), Keep::Last) => job.last(inputs, Some(book), &mut *out),
+    };
+    // Records whose ledger call went out before a failure are settled as in a clean run.
+    let result = match (result, book.as_mut()) {
+        (Ok(()), Some(book)) => book.finish(&mut job.counts, &mut *out),
+        (Err(e), Some(book)) => {
+            if let Err(e2) = book.abandon(&mut job.counts, &mut *out) {
+                tracing::warn!("while stopping: {e2:#}");
+            }
+            Err(e)
         }
-        (Some(backend), Keep::Last) => {
-            let mut sink = LedgerSink::new(backend, &args.namespace, ttl_ms, args.ledger_mode, &rt);
-            job.last(inputs, Some(&mut sink), &mut *out)
-        }
+        (result, None) => result,
     };
     bar.finish_and_clear();
     let counts = std::mem::take(&mut job.counts);
@@ -253,7 +279,7 @@ impl Job<'_> {
     fn first_with_ledger_jsonl(
         &mut self,
         inputs: Vec<Input>,
-        sink: &mut LedgerSink<'_>,
+        book: &mut Ledger<'_>,
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
         let (counts, rejects, bar, emit_id) =
@@ -268,7 +294,7 @@ impl Job<'_> {
                         rejects.reject(&kc.position(line), &reason.0, line_value(bytes))?
                     }
                     Ok(digest) => {
-                        if !sink.batch_ids.insert(short(digest)) {
+                        if !book.first_sighting(digest) {
                             counts.duplicates += 1;
                             continue;
                         }
@@ -276,19 +302,18 @@ impl Job<'_> {
                             (KeySpec::Template(_), Some(text)) => text.clone(),
                             _ => hex::encode(digest),
                         };
-                        let start = sink.bytes.len();
-                        write_line(bytes, emit_id, digest, &mut sink.bytes)?;
-                        sink.pending.push((key, start..sink.bytes.len()));
-                        if sink.is_full() {
-                            sink.flush(counts, out)?;
-                        }
+                        book.push(
+                            key,
+                            |buf| write_line(bytes, emit_id, digest, buf),
+                            counts,
+                            out,
+                        )?;
                     }
                 }
             }
             bar.set_position(kc.chunk.bytes_read_total);
             Ok(())
-        })?;
-        sink.flush(&mut self.counts, out)
+        })
     }
 
     /// Keep first, no ledger: one pass, keys in memory.
@@ -334,11 +359,11 @@ impl Job<'_> {
         Ok(())
     }
 
-    /// Keep first with a ledger: batches of claims, constant memory.
+    /// Keep first with a ledger: batches of ledger calls, bounded memory.
     fn first_with_ledger(
         &mut self,
         inputs: Vec<Input>,
-        sink: &mut LedgerSink<'_>,
+        book: &mut Ledger<'_>,
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
         let mut records = Records::open(self.format, inputs);
@@ -356,9 +381,10 @@ impl Job<'_> {
                     self.rejects.reject(&pos, &reason.0, value)?
                 }
                 Keyed::Key(digest) => {
-                    self.offer(&mut records, &digest, &scratch, sink)?;
-                    if sink.is_full() {
-                        sink.flush(&mut self.counts, out)?;
+                    if book.first_sighting(&digest) {
+                        self.offer(&mut records, &digest, &scratch, book, out)?;
+                    } else {
+                        self.counts.duplicates += 1;
                     }
                 }
             }
@@ -366,36 +392,36 @@ impl Job<'_> {
         if !header_done {
             records.write_header(self.emit_id, out)?;
         }
-        sink.flush(&mut self.counts, out)
+        Ok(())
     }
 
-    /// Puts one record into the ledger batch.
+    /// Puts one record into the ledger's batch.
     fn offer(
         &mut self,
         records: &mut Records,
         digest: &[u8; 32],
         scratch: &Scratch,
-        sink: &mut LedgerSink<'_>,
+        book: &mut Ledger<'_>,
+        out: &mut dyn Write,
     ) -> anyhow::Result<()> {
-        if !sink.batch_ids.insert(short(digest)) {
-            // The same key earlier in this batch: the batch's one owner would get that claim
-            // back as "new", so repeats are settled here.
-            self.counts.duplicates += 1;
-            return Ok(());
-        }
         let key = self.spec.ledger_key(digest, scratch);
-        let start = sink.bytes.len();
-        let hex;
-        let id = match self.emit_id {
-            Some(f) => {
-                hex = hex::encode(digest);
-                Some((f, hex.as_str()))
-            }
-            None => None,
-        };
-        records.encode(id, &mut sink.bytes)?;
-        sink.pending.push((key, start..sink.bytes.len()));
-        Ok(())
+        let emit_id = self.emit_id;
+        book.push(
+            key,
+            |buf| {
+                let hex;
+                let id = match emit_id {
+                    Some(f) => {
+                        hex = hex::encode(digest);
+                        Some((f, hex.as_str()))
+                    }
+                    None => None,
+                };
+                records.encode(id, buf)
+            },
+            &mut self.counts,
+            out,
+        )
     }
 
     /// Keep last: pass 1 finds each key's last record, pass 2 emits those (through the ledger
@@ -403,7 +429,7 @@ impl Job<'_> {
     fn last(
         &mut self,
         inputs: Vec<Input>,
-        mut sink: Option<&mut LedgerSink<'_>>,
+        mut book: Option<&mut Ledger<'_>>,
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
         let mut last: std::collections::HashMap<u128, u64, Prehashed> = Default::default();
@@ -440,11 +466,13 @@ impl Job<'_> {
                 self.counts.duplicates += 1;
                 continue;
             }
-            match sink.as_deref_mut() {
-                Some(sink) => {
-                    self.offer(&mut records, &digest, &scratch, sink)?;
-                    if sink.is_full() {
-                        sink.flush(&mut self.counts, out)?;
+            match book.as_deref_mut() {
+                // Each key's last record is offered once, so the window never holds it back.
+                Some(book) => {
+                    if book.first_sighting(&digest) {
+                        self.offer(&mut records, &digest, &scratch, book, out)?;
+                    } else {
+                        self.counts.duplicates += 1;
                     }
                 }
                 None => {
@@ -463,9 +491,6 @@ impl Job<'_> {
         }
         if !header_done {
             records.write_header(self.emit_id, out)?;
-        }
-        if let Some(sink) = sink {
-            sink.flush(&mut self.counts, out)?;
         }
         Ok(())
     }
@@ -493,179 +518,4 @@ fn write_line(
     }
     out.write_all(b"\n").context("writing the output")?;
     Ok(())
-}
-
-/// A batch of records waiting for their ledger claims.
-struct LedgerSink<'a> {
-    backend: &'a Backend,
-    namespace: &'a str,
-    ttl_ms: u64,
-    mode: LedgerMode,
-    rt: &'a tokio::runtime::Runtime,
-    /// Claims of this run name this owner, so a retried batch gets its own claims back.
-    owner: String,
-    /// Encoded records of the batch, back to back.
-    bytes: Vec<u8>,
-    /// Each record's ledger key and its bytes.
-    pending: Vec<(String, std::ops::Range<usize>)>,
-    /// Keys of the batch (see [`Job::offer`]).
-    batch_ids: HashSet<u128, Prehashed>,
-}
-
-impl<'a> LedgerSink<'a> {
-    fn new(
-        backend: &'a Backend,
-        namespace: &'a str,
-        ttl_ms: u64,
-        mode: LedgerMode,
-        rt: &'a tokio::runtime::Runtime,
-    ) -> Self {
-        Self {
-            backend,
-            namespace,
-            ttl_ms,
-            mode,
-            rt,
-            owner: format!("dedup-{}", Token::generate().as_str()),
-            bytes: Vec::with_capacity(LEDGER_BATCH_BYTES),
-            pending: Vec::with_capacity(LEDGER_BATCH_RECORDS),
-            batch_ids: HashSet::with_capacity_and_hasher(
-                LEDGER_BATCH_RECORDS,
-                Prehashed::default(),
-            ),
-        }
-    }
-
-    fn is_full(&self) -> bool {
-        self.pending.len() >= LEDGER_BATCH_RECORDS || self.bytes.len() >= LEDGER_BATCH_BYTES
-    }
-
-    /// Marks the batch's keys, then writes the records whose mark was new.
-    fn flush_marked(
-        &mut self,
-        keys: &[String],
-        counts: &mut Counts,
-        out: &mut dyn Write,
-    ) -> anyhow::Result<()> {
-        let answers = self
-            .rt
-            .block_on(self.backend.mark_batch(self.namespace, keys, self.ttl_ms))
-            .with_context(|| format!("ledger {}", self.backend.describe()))?;
-        if answers.len() != keys.len() {
-            bail!(
-                "the ledger answered {} marks for {} keys",
-                answers.len(),
-                keys.len()
-            );
-        }
-        let mut lost = 0u64;
-        let mut failure: Option<anyhow::Error> = None;
-        for ((key, span), answer) in self.pending.drain(..).zip(answers) {
-            match answer {
-                Ok(true) if failure.is_none() => match out.write_all(&self.bytes[span]) {
-                    Ok(()) => counts.emitted += 1,
-                    Err(e) => {
-                        lost += 1;
-                        failure = Some(anyhow::Error::new(e).context("writing the output"));
-                    }
-                },
-                Ok(true) => lost += 1,
-                Ok(false) => counts.duplicates += 1,
-                Err(reason) => {
-                    failure.get_or_insert_with(|| {
-                        anyhow::anyhow!("ledger refused key {key:?}: {reason}")
-                    });
-                }
-            }
-        }
-        self.bytes.clear();
-        self.batch_ids.clear();
-        if failure.is_none() {
-            if let Err(e) = out.flush() {
-                failure = Some(anyhow::Error::new(e).context("writing the output"));
-            }
-        }
-        match failure {
-            None => Ok(()),
-            Some(e) => Err(e.context(format!(
-                "at-most-once ledger: {lost} marked records were not written and will not be \
-                 emitted by a later run (use forget, or the default retriable mode)"
-            ))),
-        }
-    }
-
-    /// Claims the batch's keys, writes the new records, flushes, completes their claims.
-    fn flush(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let keys: Vec<String> = self.pending.iter().map(|(k, _)| k.clone()).collect();
-        if self.mode == LedgerMode::AtMostOnce {
-            return self.flush_marked(&keys, counts, out);
-        }
-        let answers = self
-            .rt
-            .block_on(self.backend.claim_batch(
-                self.namespace,
-                &keys,
-                self.ttl_ms,
-                LEDGER_LEASE_MS,
-                &self.owner,
-            ))
-            .with_context(|| format!("ledger {}", self.backend.describe()))?;
-        if answers.len() != keys.len() {
-            bail!(
-                "the ledger answered {} claims for {} keys",
-                answers.len(),
-                keys.len()
-            );
-        }
-        let mut claimed: Vec<(String, Token)> = Vec::new();
-        let mut failure = None;
-        for ((key, span), answer) in self.pending.drain(..).zip(answers) {
-            match answer {
-                Ok(Claim::New(lease)) => {
-                    if failure.is_none() {
-                        if let Err(e) = out.write_all(&self.bytes[span]) {
-                            failure = Some(anyhow::Error::new(e).context("writing the output"));
-                        }
-                    }
-                    claimed.push((key, lease.token));
-                }
-                Ok(Claim::Duplicate { .. }) => counts.duplicates += 1,
-                Err(reason) => {
-                    failure.get_or_insert_with(|| {
-                        anyhow::anyhow!("ledger refused key {key:?}: {reason}")
-                    });
-                }
-            }
-        }
-        if failure.is_none() {
-            if let Err(e) = out.flush() {
-                failure = Some(anyhow::Error::new(e).context("writing the output"));
-            }
-        }
-        self.bytes.clear();
-        self.batch_ids.clear();
-        if let Some(e) = failure {
-            // Nothing of this batch counts as emitted: give the keys back at once.
-            self.rt
-                .block_on(self.backend.release_batch(self.namespace, &claimed));
-            return Err(e);
-        }
-        counts.emitted += claimed.len() as u64;
-        self.rt
-            .block_on(
-                self.backend
-                    .complete_batch(self.namespace, &claimed, self.ttl_ms),
-            )
-            .with_context(|| {
-                format!(
-                    "ledger {}: the records were written but not recorded; they will be \
-                     emitted again by a run after the {}s lease",
-                    self.backend.describe(),
-                    LEDGER_LEASE_MS / 1000
-                )
-            })
-    }
 }

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context};
+use anyhow::{anyhow, bail, Context};
 use dedupgate_client::{Client, ClientError, MarkOptions};
 use dedupgate_core::{
     Claim, ClaimOptions, Gate, GateError, Mark, Op, Outcome, Record, RecordId, Store, Token,
@@ -190,142 +190,57 @@ impl Backend {
         }
     }
 
-    /// Claims many keys in one round trip (one group commit on the embedded store). Each item
-    /// is that key's claim, or why it was refused.
-    pub async fn claim_batch(
+    /// One ledger round trip (one group commit on the embedded store): first completes the
+    /// claims in `completes` (keeping their records `ttl_ms` from now), then claims or marks
+    /// each of `keys`, in that order, so a key completed here is settled before any key of the
+    /// same call is decided. Answers one item per completion and one per key, each the
+    /// refusal's reason on failure.
+    pub async fn ledger_call(
         &self,
         ns: &str,
+        completes: &[(String, Token)],
         keys: &[String],
         ttl_ms: u64,
-        lease_ms: u64,
-        owner: &str,
-    ) -> anyhow::Result<Vec<Result<Claim, String>>> {
-        match self {
+        write: &LedgerWrite,
+    ) -> anyhow::Result<LedgerAnswers> {
+        let n = completes.len() + keys.len();
+        let answers: Vec<Result<Fresh, String>> = match self {
             Backend::Remote(c) => {
-                let ops = keys
-                    .iter()
-                    .map(|k| json!({"op": "claim", "namespace": ns, "key": k, "ttl_ms": ttl_ms, "lease_ms": lease_ms, "owner": owner}))
-                    .collect();
-                let answers = c.batch(ops).await?;
-                answers
-                    .into_iter()
-                    .map(|a| match a {
-                        Ok(v) => serde_json::from_value::<Claim>(v)
-                            .map(Ok)
-                            .map_err(|e| anyhow!("unexpected claim answer from the server: {e}")),
-                        Err(p) => Ok(Err(format!("{}: {}", p.code, p.detail))),
-                    })
-                    .collect()
-            }
-            _ => {
-                let gate = self.gate().await?;
-                let mut ops = Vec::with_capacity(keys.len());
-                for k in keys {
-                    ops.push((
-                        RecordId::new(ns, k.as_str())?,
-                        Op::Claim {
-                            ttl_ms,
-                            lease_ms,
-                            fingerprint: None,
-                            owner: Some(owner.to_owned()),
-                        },
-                    ));
+                let mut ops = Vec::with_capacity(n);
+                for (k, t) in completes {
+                    ops.push(json!({"op": "complete", "namespace": ns, "key": k, "token": t.as_str(), "ttl_ms": ttl_ms}));
                 }
-                let answers = gate.store().apply_batch(ops).await;
-                Ok(answers
-                    .into_iter()
-                    .map(|a| match a {
-                        Ok(Outcome::Claimed(c)) => Ok(c),
-                        Ok(other) => Err(format!("unexpected outcome {}", other.label())),
-                        Err(e) => Err(e.to_string()),
-                    })
-                    .collect())
-            }
-        }
-    }
-
-    /// Marks many keys in one round trip (the at-most-once ledger). Each item is true when the
-    /// key was new, false for a duplicate, or why it was refused.
-    pub async fn mark_batch(
-        &self,
-        ns: &str,
-        keys: &[String],
-        ttl_ms: u64,
-    ) -> anyhow::Result<Vec<Result<bool, String>>> {
-        let is_new = |m: Mark| matches!(m, Mark::New { .. });
-        match self {
-            Backend::Remote(c) => {
-                let ops = keys
-                    .iter()
-                    .map(|k| json!({"op": "mark", "namespace": ns, "key": k, "ttl_ms": ttl_ms}))
-                    .collect();
-                c.batch(ops)
-                    .await?
-                    .into_iter()
-                    .map(|a| match a {
-                        Ok(v) => serde_json::from_value::<Mark>(v)
-                            .map(|m| Ok(is_new(m)))
-                            .map_err(|e| anyhow!("unexpected mark answer from the server: {e}")),
-                        Err(p) => Ok(Err(format!("{}: {}", p.code, p.detail))),
-                    })
-                    .collect()
-            }
-            _ => {
-                let gate = self.gate().await?;
-                let mut ops = Vec::with_capacity(keys.len());
                 for k in keys {
-                    ops.push((
-                        RecordId::new(ns, k.as_str())?,
-                        Op::Mark {
-                            ttl_ms,
-                            fingerprint: None,
-                            result: None,
-                        },
-                    ));
+                    ops.push(match write {
+                        LedgerWrite::Claim { lease_ms, owner } => json!({"op": "claim", "namespace": ns, "key": k, "ttl_ms": ttl_ms, "lease_ms": lease_ms, "owner": owner}),
+                        LedgerWrite::Mark => json!({"op": "mark", "namespace": ns, "key": k, "ttl_ms": ttl_ms}),
+                    });
                 }
-                Ok(gate
-                    .store()
-                    .apply_batch(ops)
-                    .await
-                    .into_iter()
-                    .map(|a| match a {
-                        Ok(Outcome::Marked(m)) => Ok(is_new(m)),
-                        Ok(other) => Err(format!("unexpected outcome {}", other.label())),
-                        Err(e) => Err(e.to_string()),
-                    })
-                    .collect())
-            }
-        }
-    }
-
-    /// Completes many claims in one round trip. Fails as a whole if any completion failed:
-    /// an uncompleted claim is re-offered after its lease, so the caller must know.
-    /// The records are kept `ttl_ms` from now (a claim's own expiry is stretched to its lease).
-    pub async fn complete_batch(
-        &self,
-        ns: &str,
-        claims: &[(String, Token)],
-        ttl_ms: u64,
-    ) -> anyhow::Result<()> {
-        if claims.is_empty() {
-            return Ok(());
-        }
-        let failures: Vec<String> = match self {
-            Backend::Remote(c) => {
-                let ops = claims
-                    .iter()
-                    .map(|(k, t)| json!({"op": "complete", "namespace": ns, "key": k, "token": t.as_str(), "ttl_ms": ttl_ms}))
-                    .collect();
-                c.batch(ops)
-                    .await?
-                    .into_iter()
-                    .filter_map(|a| a.err().map(|p| format!("{}: {}", p.code, p.detail)))
-                    .collect()
+                let mut out = Vec::with_capacity(n);
+                for (i, a) in c.batch(ops).await?.into_iter().enumerate() {
+                    out.push(match a {
+                        Err(p) => Err(format!("{}: {}", p.code, p.detail)),
+                        Ok(_) if i < completes.len() => Ok(Fresh::Done),
+                        Ok(v) => match write {
+                            LedgerWrite::Claim { .. } => match serde_json::from_value::<Claim>(v) {
+                                Ok(Claim::New(lease)) => Ok(Fresh::New(Some(lease.token))),
+                                Ok(Claim::Duplicate { .. }) => Ok(Fresh::Duplicate),
+                                Err(e) => bail!("unexpected claim answer from the server: {e}"),
+                            },
+                            LedgerWrite::Mark => match serde_json::from_value::<Mark>(v) {
+                                Ok(Mark::New { .. }) => Ok(Fresh::New(None)),
+                                Ok(Mark::Duplicate { .. }) => Ok(Fresh::Duplicate),
+                                Err(e) => bail!("unexpected mark answer from the server: {e}"),
+                            },
+                        },
+                    });
+                }
+                out
             }
             _ => {
                 let gate = self.gate().await?;
-                let mut ops = Vec::with_capacity(claims.len());
-                for (k, t) in claims {
+                let mut ops = Vec::with_capacity(n);
+                for (k, t) in completes {
                     ops.push((
                         RecordId::new(ns, k.as_str())?,
                         Op::Complete {
@@ -335,22 +250,53 @@ impl Backend {
                         },
                     ));
                 }
+                for k in keys {
+                    let op = match write {
+                        LedgerWrite::Claim { lease_ms, owner } => Op::Claim {
+                            ttl_ms,
+                            lease_ms: *lease_ms,
+                            fingerprint: None,
+                            owner: Some(owner.clone()),
+                        },
+                        LedgerWrite::Mark => Op::Mark {
+                            ttl_ms,
+                            fingerprint: None,
+                            result: None,
+                        },
+                    };
+                    ops.push((RecordId::new(ns, k.as_str())?, op));
+                }
                 gate.store()
                     .apply_batch(ops)
                     .await
                     .into_iter()
-                    .filter_map(|a| a.err().map(|e| e.to_string()))
+                    .map(|a| match a {
+                        Ok(Outcome::Completed(_)) => Ok(Fresh::Done),
+                        Ok(Outcome::Claimed(Claim::New(lease))) => {
+                            Ok(Fresh::New(Some(lease.token)))
+                        }
+                        Ok(Outcome::Marked(Mark::New { .. })) => Ok(Fresh::New(None)),
+                        Ok(Outcome::Claimed(Claim::Duplicate { .. }))
+                        | Ok(Outcome::Marked(Mark::Duplicate { .. })) => Ok(Fresh::Duplicate),
+                        Ok(other) => Err(format!("unexpected outcome {}", other.label())),
+                        Err(e) => Err(e.to_string()),
+                    })
                     .collect()
             }
         };
-        match failures.first() {
-            None => Ok(()),
-            Some(first) => Err(anyhow!(
-                "{} of {} ledger completions failed (first: {first})",
-                failures.len(),
-                claims.len()
-            )),
+        if answers.len() != n {
+            bail!("the ledger answered {} of {n} operations", answers.len());
         }
+        let mut fresh = answers;
+        let completed = fresh
+            .drain(..completes.len())
+            .map(|a| match a {
+                Ok(Fresh::Done) => Ok(()),
+                Ok(_) => Err("unexpected answer to a completion".to_owned()),
+                Err(e) => Err(e),
+            })
+            .collect();
+        Ok(LedgerAnswers { completed, fresh })
     }
 
     /// Releases many claims (best effort, after a failure).
@@ -367,6 +313,40 @@ impl Backend {
             Backend::Remote(_) => "server".to_owned(),
         }
     }
+}
+
+/// What a ledger call writes for each new key.
+#[derive(Clone, Debug)]
+pub enum LedgerWrite {
+    /// A claim under a lease, completed once the record is written (retriable).
+    Claim {
+        /// The claim's lease.
+        lease_ms: u64,
+        /// The run's owner id.
+        owner: String,
+    },
+    /// A mark: completed at once (at-most-once).
+    Mark,
+}
+
+/// The ledger's answer for one operation of a [`Backend::ledger_call`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Fresh {
+    /// The key was new: the claim's token (none for a mark).
+    New(Option<Token>),
+    /// The key was known (completed, or held by another run).
+    Duplicate,
+    /// A completion went through.
+    Done,
+}
+
+/// The answers of a [`Backend::ledger_call`].
+#[derive(Debug)]
+pub struct LedgerAnswers {
+    /// One per completion sent.
+    pub completed: Vec<Result<(), String>>,
+    /// One per key sent: [`Fresh::New`] or [`Fresh::Duplicate`], or why it was refused.
+    pub fresh: Vec<Result<Fresh, String>>,
 }
 
 /// True when the error is the gate's "lease lost".

@@ -1,0 +1,334 @@
+//! The ledger side of `dedup`: a bounded window of keys this run has seen, and batches of
+//! ledger writes kept one call in flight while the next batch is built.
+//!
+//! Per batch of at most `batch_records` records whose key the window had not seen: one ledger
+//! call (one group commit on the embedded store). While that call is in flight the caller
+//! keys and collects the next batch; when that one is full, the call's answers are waited for,
+//! its new records written (in input order) and the output flushed, and only then the next
+//! call goes out. In the retriable mode each call first completes the claims of the records the
+//! previous call let through (written and flushed by then), then claims the new batch's keys:
+//! one commit per batch for both. Calls never overlap, so a key completed by one call is
+//! settled before any key of the next is decided.
+
+use std::collections::HashSet;
+use std::io::Write;
+
+use anyhow::anyhow;
+use dedupgate_core::Token;
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+
+use crate::commands::pipeline::backend::{Backend, Fresh, LedgerAnswers, LedgerWrite};
+use crate::commands::pipeline::keyspec::Prehashed;
+
+use super::{Counts, LedgerMode};
+
+/// Records per ledger call unless `--ledger-batch` says otherwise. With the completions of the
+/// previous batch a call carries at most twice this, under the API's 10,000 ops per batch.
+pub const LEDGER_BATCH_RECORDS: usize = 4096;
+/// Most records per ledger call (`--ledger-batch`).
+pub const LEDGER_BATCH_RECORDS_MAX: usize = 5000;
+/// Most output bytes held per batch.
+pub const LEDGER_BATCH_BYTES: usize = 8 << 20;
+/// Keys the window remembers unless `--ledger-window` says otherwise (about 34 MB).
+pub const LEDGER_WINDOW_KEYS: usize = 1 << 20;
+/// Lease of a ledger claim: how long a crashed run's records stay held before the next run
+/// may emit them.
+pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
+
+/// The keys (128-bit digest prefixes) this run saw most recently, in two generations of
+/// `generation` keys each: a key stays at least `generation` first sightings after its last
+/// one, and memory is bounded whatever the input size.
+pub struct Window {
+    current: HashSet<u128, Prehashed>,
+    previous: HashSet<u128, Prehashed>,
+    generation: usize,
+}
+
+impl Window {
+    /// A window of about `keys` keys.
+    pub fn new(keys: usize) -> Self {
+        let generation = (keys / 2).max(1);
+        Self {
+            current: HashSet::with_capacity_and_hasher(generation, Prehashed::default()),
+            previous: HashSet::with_capacity_and_hasher(generation, Prehashed::default()),
+            generation,
+        }
+    }
+
+    /// True when `key` is not in the window (a first sighting as far as it knows); either way
+    /// it is in the current generation afterwards.
+    pub fn first_sighting(&mut self, key: u128) -> bool {
+        if self.current.contains(&key) {
+            return false;
+        }
+        let known = self.previous.contains(&key);
+        if self.current.len() >= self.generation {
+            std::mem::swap(&mut self.current, &mut self.previous);
+            self.current.clear();
+        }
+        self.current.insert(key);
+        !known
+    }
+}
+
+/// Records waiting for one ledger call, back to back.
+#[derive(Default)]
+struct Batch {
+    keys: Vec<String>,
+    bytes: Vec<u8>,
+    /// End of each record in `bytes`.
+    ends: Vec<usize>,
+}
+
+impl Batch {
+    fn clear(&mut self) {
+        self.keys.clear();
+        self.bytes.clear();
+        self.ends.clear();
+    }
+
+    fn record(&self, i: usize) -> &[u8] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.bytes[start..self.ends[i]]
+    }
+}
+
+/// What a call carried, handed back with its answers.
+struct Sent {
+    batch: Batch,
+    completes: Vec<(String, Token)>,
+}
+
+type CallResult = (Sent, anyhow::Result<LedgerAnswers>);
+
+/// The ledger of one run.
+pub struct Ledger<'a> {
+    backend: Backend,
+    namespace: String,
+    ttl_ms: u64,
+    mode: LedgerMode,
+    write: LedgerWrite,
+    rt: &'a Runtime,
+    batch_records: usize,
+    window: Window,
+    batch: Batch,
+    spare: Batch,
+    in_flight: Option<JoinHandle<CallResult>>,
+    /// Claims of written and flushed records, completed by the next call.
+    to_complete: Vec<(String, Token)>,
+}
+
+impl<'a> Ledger<'a> {
+    /// A ledger writing to `backend`; `rt` must run spawned tasks on its own threads (a
+    /// multi-thread runtime), so calls go on while the caller builds the next batch.
+    pub fn new(
+        backend: &Backend,
+        namespace: &str,
+        ttl_ms: u64,
+        mode: LedgerMode,
+        rt: &'a Runtime,
+        batch_records: usize,
+        window_keys: usize,
+    ) -> Self {
+        let batch_records = batch_records.clamp(1, LEDGER_BATCH_RECORDS_MAX);
+        let write = match mode {
+            LedgerMode::Retriable => LedgerWrite::Claim {
+                lease_ms: LEDGER_LEASE_MS,
+                // Claims of this run name this owner, so a retried call gets its own claims back.
+                owner: format!("dedup-{}", Token::generate().as_str()),
+            },
+            LedgerMode::AtMostOnce => LedgerWrite::Mark,
+        };
+        Self {
+            backend: backend.clone(),
+            namespace: namespace.to_owned(),
+            ttl_ms,
+            mode,
+            write,
+            rt,
+            batch_records,
+            // Keys of one batch must be distinct (a second claim by the same owner would be
+            // answered "new" again), so the window holds at least two batches.
+            window: Window::new(window_keys.max(2 * batch_records)),
+            batch: Batch::default(),
+            spare: Batch::default(),
+            in_flight: None,
+            to_complete: Vec::new(),
+        }
+    }
+
+    /// False when this run already had the key within the window: a duplicate the ledger need
+    /// not be asked about.
+    pub fn first_sighting(&mut self, digest: &[u8; 32]) -> bool {
+        self.window
+            .first_sighting(crate::commands::pipeline::keyspec::short(digest))
+    }
+
+    /// Adds a record under ledger key `key`: `encode` appends its output bytes. Sends the batch
+    /// when it is full.
+    pub fn push(
+        &mut self,
+        key: String,
+        encode: impl FnOnce(&mut Vec<u8>) -> anyhow::Result<()>,
+        counts: &mut Counts,
+        out: &mut dyn Write,
+    ) -> anyhow::Result<()> {
+        encode(&mut self.batch.bytes)?;
+        self.batch.keys.push(key);
+        self.batch.ends.push(self.batch.bytes.len());
+        if self.batch.keys.len() >= self.batch_records
+            || self.batch.bytes.len() >= LEDGER_BATCH_BYTES
+        {
+            self.send(counts, out)?;
+        }
+        Ok(())
+    }
+
+    /// Settles the call in flight, then sends the current batch with the completions due.
+    fn send(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
+        self.settle(counts, out)?;
+        if self.batch.keys.is_empty() && self.to_complete.is_empty() {
+            return Ok(());
+        }
+        let mut batch = std::mem::take(&mut self.spare);
+        batch.clear();
+        std::mem::swap(&mut batch, &mut self.batch);
+        let sent = Sent {
+            batch,
+            completes: std::mem::take(&mut self.to_complete),
+        };
+        let (backend, ns, ttl_ms, write) = (
+            self.backend.clone(),
+            self.namespace.clone(),
+            self.ttl_ms,
+            self.write.clone(),
+        );
+        self.in_flight = Some(self.rt.spawn(async move {
+            let answers = backend
+                .ledger_call(&ns, &sent.completes, &sent.batch.keys, ttl_ms, &write)
+                .await;
+            (sent, answers)
+        }));
+        Ok(())
+    }
+
+    /// Waits for the call in flight, writes the records it let through and flushes.
+    fn settle(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
+        let Some(handle) = self.in_flight.take() else {
+            return Ok(());
+        };
+        let (sent, answers) = self
+            .rt
+            .block_on(handle)
+            .map_err(|e| anyhow!("ledger call failed: {e}"))?;
+        let describe = || format!("ledger {}", self.backend.describe());
+        let unrecorded = || {
+            format!(
+                "{}: {} records were written but not recorded; they will be emitted again by \
+                 a run after the {}s lease",
+                describe(),
+                sent.completes.len(),
+                LEDGER_LEASE_MS / 1000
+            )
+        };
+        let answers = match answers {
+            Ok(a) => a,
+            Err(e) if sent.completes.is_empty() => return Err(e.context(describe())),
+            Err(e) => return Err(e.context(unrecorded())),
+        };
+        if let Some(reason) = answers.completed.iter().find_map(|a| a.as_ref().err()) {
+            let failed = answers.completed.iter().filter(|a| a.is_err()).count();
+            let e = anyhow!(
+                "{failed} of {} ledger completions failed (first: {reason})",
+                sent.completes.len()
+            );
+            let claimed: Vec<(String, Token)> = answers
+                .fresh
+                .iter()
+                .zip(&sent.batch.keys)
+                .filter_map(|(a, k)| match a {
+                    Ok(Fresh::New(Some(t))) => Some((k.clone(), t.clone())),
+                    _ => None,
+                })
+                .collect();
+            self.rt
+                .block_on(self.backend.release_batch(&self.namespace, &claimed));
+            return Err(e.context(unrecorded()));
+        }
+        let mut failure: Option<anyhow::Error> = None;
+        let mut new = 0u64;
+        let mut unwritten = 0u64;
+        for (i, answer) in answers.fresh.iter().enumerate() {
+            match answer {
+                Ok(Fresh::New(token)) => {
+                    if failure.is_none() {
+                        match out.write_all(sent.batch.record(i)) {
+                            Ok(()) => new += 1,
+                            Err(e) => {
+                                failure = Some(anyhow::Error::new(e).context("writing the output"))
+                            }
+                        }
+                    }
+                    if failure.is_some() {
+                        unwritten += 1;
+                    }
+                    if let Some(token) = token {
+                        self.to_complete
+                            .push((sent.batch.keys[i].clone(), token.clone()));
+                    }
+                }
+                Ok(_) => counts.duplicates += 1,
+                Err(reason) => {
+                    failure.get_or_insert_with(|| {
+                        anyhow!("ledger refused key {:?}: {reason}", sent.batch.keys[i])
+                    });
+                }
+            }
+        }
+        if failure.is_none() {
+            if let Err(e) = out.flush() {
+                failure = Some(anyhow::Error::new(e).context("writing the output"));
+                unwritten = new;
+            }
+        }
+        let mut batch = sent.batch;
+        batch.clear();
+        self.spare = batch;
+        let Some(e) = failure else {
+            counts.emitted += new;
+            return Ok(());
+        };
+        match self.mode {
+            LedgerMode::Retriable => {
+                // Nothing of this batch counts as emitted: give its keys back at once.
+                let claimed = std::mem::take(&mut self.to_complete);
+                self.rt
+                    .block_on(self.backend.release_batch(&self.namespace, &claimed));
+                Err(e)
+            }
+            LedgerMode::AtMostOnce => Err(e.context(format!(
+                "at-most-once ledger: {unwritten} marked records were not written and will not \
+                 be emitted by a later run (use forget, or the default retriable mode)"
+            ))),
+        }
+    }
+
+    /// Sends what is left, settles it and completes the last claims.
+    pub fn finish(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
+        self.send(counts, out)?;
+        self.settle(counts, out)?;
+        if !self.to_complete.is_empty() {
+            self.send(counts, out)?;
+            self.settle(counts, out)?;
+        }
+        Ok(())
+    }
+
+    /// After a failure elsewhere: settles the call in flight (its records are written and its
+    /// claims completed, as in a clean run) and drops the batch not yet sent.
+    pub fn abandon(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
+        self.batch.clear();
+        self.finish(counts, out)
+    }
+}
