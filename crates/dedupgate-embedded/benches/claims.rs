@@ -200,7 +200,7 @@ fn redis_set_nx_rate(addr: &str) -> Result<f64, String> {
 }
 
 const ENTRIES_TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("entries");
-const EXPIRY_TABLE: TableDefinition<&[u8], ()> = TableDefinition::new("expiry");
+const EXPIRY_TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("expiry");
 const META_TABLE: TableDefinition<&str, u64> = TableDefinition::new("meta");
 
 fn redb_err(e: impl Into<redb::Error>) -> EngineError {
@@ -240,7 +240,7 @@ impl RedbEngine {
 
 struct RedbTxn<'t> {
     entries: redb::Table<'t, &'static [u8], &'static [u8]>,
-    expiry: redb::Table<'t, &'static [u8], ()>,
+    expiry: redb::Table<'t, &'static [u8], &'static [u8]>,
     meta: redb::Table<'t, &'static str, u64>,
 }
 
@@ -266,8 +266,8 @@ impl Txn for RedbTxn<'_> {
         Ok(())
     }
 
-    fn index_insert(&mut self, key: &[u8]) -> Result<(), EngineError> {
-        self.expiry.insert(key, ()).map_err(redb_err)?;
+    fn index_put(&mut self, key: &[u8], record: &[u8]) -> Result<(), EngineError> {
+        self.expiry.insert(key, record).map_err(redb_err)?;
         Ok(())
     }
 
@@ -280,7 +280,7 @@ impl Txn for RedbTxn<'_> {
         &mut self,
         bound: &[u8],
         max: usize,
-        out: &mut Vec<Vec<u8>>,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
         for item in self
             .expiry
@@ -288,8 +288,8 @@ impl Txn for RedbTxn<'_> {
             .map_err(redb_err)?
             .take(max)
         {
-            let (k, _) = item.map_err(redb_err)?;
-            out.push(k.value().to_vec());
+            let (k, v) = item.map_err(redb_err)?;
+            out.push((k.value().to_vec(), v.value().to_vec()));
         }
         Ok(())
     }
@@ -415,8 +415,8 @@ impl Txn for FjallTxn<'_> {
         Ok(())
     }
 
-    fn index_insert(&mut self, key: &[u8]) -> Result<(), EngineError> {
-        self.batch.insert(&self.engine.expiry, key, []);
+    fn index_put(&mut self, key: &[u8], record: &[u8]) -> Result<(), EngineError> {
+        self.batch.insert(&self.engine.expiry, key, record);
         Ok(())
     }
 
@@ -429,11 +429,11 @@ impl Txn for FjallTxn<'_> {
         &mut self,
         bound: &[u8],
         max: usize,
-        out: &mut Vec<Vec<u8>>,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
         for item in self.engine.expiry.range(..bound).take(max) {
-            let (k, _) = item.map_err(fjall_err)?;
-            out.push(k.to_vec());
+            let (k, v) = item.map_err(fjall_err)?;
+            out.push((k.to_vec(), v.to_vec()));
         }
         Ok(())
     }
@@ -501,7 +501,7 @@ impl SqliteEngine {
             .map_err(sql_err)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS entries (id BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID;
-             CREATE TABLE IF NOT EXISTS expiry (k BLOB PRIMARY KEY) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS expiry (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID;
              CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, v INTEGER NOT NULL);",
         )
         .map_err(sql_err)?;
@@ -556,11 +556,11 @@ impl Txn for SqliteTxn<'_> {
         Ok(())
     }
 
-    fn index_insert(&mut self, key: &[u8]) -> Result<(), EngineError> {
+    fn index_put(&mut self, key: &[u8], record: &[u8]) -> Result<(), EngineError> {
         self.tx
-            .prepare_cached("INSERT OR IGNORE INTO expiry (k) VALUES (?1)")
+            .prepare_cached("INSERT OR REPLACE INTO expiry (k, v) VALUES (?1, ?2)")
             .map_err(sql_err)?
-            .execute([key])
+            .execute([key, record])
             .map_err(sql_err)?;
         Ok(())
     }
@@ -578,15 +578,15 @@ impl Txn for SqliteTxn<'_> {
         &mut self,
         bound: &[u8],
         max: usize,
-        out: &mut Vec<Vec<u8>>,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
         let mut st = self
             .tx
-            .prepare_cached("SELECT k FROM expiry WHERE k < ?1 ORDER BY k LIMIT ?2")
+            .prepare_cached("SELECT k, v FROM expiry WHERE k < ?1 ORDER BY k LIMIT ?2")
             .map_err(sql_err)?;
         let rows = st
             .query_map(rusqlite::params![bound, max as i64], |r| {
-                r.get::<_, Vec<u8>>(0)
+                Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, Vec<u8>>(1)?))
             })
             .map_err(sql_err)?;
         for r in rows {

@@ -45,7 +45,7 @@ pub use store::{EmbeddedOptions, EmbeddedStore};
 
 /// Format version of the store's layout (tables and encodings). A store written with another
 /// version is refused with [`OpenError::UnknownFormat`]; a future release may migrate instead.
-pub const FORMAT_VERSION: u64 = 1;
+pub const FORMAT_VERSION: u64 = 2;
 /// The engine's directory inside the store directory: the `FORMAT` file and the fjall keyspace.
 pub const ENGINE_DIR_NAME: &str = "engine";
 /// The file in the engine directory that holds [`FORMAT_VERSION`] as text; read before anything

@@ -387,6 +387,7 @@ impl EmbeddedStore {
             clock: clock.clone(),
             shared: shared.clone(),
             batch_ops_max: options.batch_ops_max,
+            index_seq: 0,
         };
         let writer = std::thread::Builder::new()
             .name("dedupgate-writer".into())
@@ -442,7 +443,7 @@ fn writer_gone() -> StoreError {
     StoreError::Unavailable("the embedded store's writer stopped before answering".into())
 }
 
-/// Sweeps every `interval`, in bounded batches, until a batch comes back short or the store stops.
+/// Sweeps every `interval`, in bounded batches, until no expired record remains or the store stops.
 fn sweeper(
     tx: mpsc::Sender<Request>,
     stop: std_mpsc::Receiver<()>,
@@ -463,7 +464,7 @@ fn sweeper(
                 return;
             }
             match rx.blocking_recv() {
-                Ok(Ok(n)) if n as usize >= batch_max => {
+                Ok(Ok((_, true))) => {
                     if !matches!(stop.try_recv(), Err(std_mpsc::TryRecvError::Empty)) {
                         return;
                     }
@@ -533,7 +534,7 @@ impl Store for EmbeddedStore {
         self.check_available()?;
         let (reply, rx) = oneshot::channel();
         self.send(Request::Sweep { batch_max, reply }).await?;
-        rx.await.map_err(|_| writer_gone())?
+        rx.await.map_err(|_| writer_gone())?.map(|(removed, _)| removed)
     }
 
     async fn stats(&self) -> Result<StoreStats, StoreError> {

@@ -17,7 +17,10 @@ use dedupgate_core::{
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::codec::{self, decode_entry, encode_entry, encode_id, expiry_key};
+use crate::codec::{
+    self, decode_entry, encode_entry, encode_id, expiry_bucket, expiry_key, push_expiry_id,
+    EXPIRY_RECORD_IDS_MAX,
+};
 use crate::engine::{Engine, EngineError, EngineOpener, Txn};
 
 /// Meta key of the latest instant any commit decided on (unix ms).
@@ -48,7 +51,8 @@ pub(crate) enum Request {
     },
     Sweep {
         batch_max: usize,
-        reply: oneshot::Sender<Result<u64, StoreError>>,
+        /// How many entries went, and whether expired records remain.
+        reply: oneshot::Sender<Result<(u64, bool), StoreError>>,
     },
     Stats {
         reply: oneshot::Sender<Result<StoreStats, StoreError>>,
@@ -121,6 +125,8 @@ pub(crate) struct Writer {
     pub clock: Arc<dyn Clock>,
     pub shared: Arc<Shared>,
     pub batch_ops_max: usize,
+    /// Sequence number of the last expiry-index record written.
+    pub index_seq: u64,
 }
 
 impl Writer {
@@ -224,10 +230,11 @@ impl Writer {
             &mut scratch.decided,
             &mut scratch.settled,
         );
+        let index_seq = &mut self.index_seq;
         let result = engine.write(&mut |txn: &mut dyn Txn| {
             decided.clear();
             slots.clear();
-            let commit = decide_all(txn, ops.drain(..), now_ms, slots, decided);
+            let commit = decide_all(txn, ops.drain(..), now_ms, slots, decided, index_seq);
             slots.clear();
             let commit = commit?;
             answers.clear();
@@ -292,20 +299,22 @@ impl Writer {
         }
     }
 
-    fn sweep(&mut self, batch_max: usize) -> Result<u64, StoreError> {
+    /// Sweeps one bounded batch: how many entries went, and whether passed records remain.
+    fn sweep(&mut self, batch_max: usize) -> Result<(u64, bool), StoreError> {
         let now_ms = self.clock.now_ms();
         let mut removed = 0u64;
+        let mut more = false;
         let engine = self.engine.as_mut().expect("checked by the caller");
         let result = engine.write(&mut |txn: &mut dyn Txn| {
             removed = 0;
-            sweep_in(txn, now_ms, batch_max, &mut removed)
+            sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)
         });
         match result {
             Ok(()) => {
                 self.shared
                     .swept_total
                     .fetch_add(removed, Ordering::Relaxed);
-                Ok(removed)
+                Ok((removed, more))
             }
             Err(e) => {
                 self.fail(&e);
@@ -450,6 +459,7 @@ fn decide_all(
     now_ms: u64,
     slots: &mut HashMap<Vec<u8>, Slot>,
     answers: &mut Vec<(Answer, bool)>,
+    index_seq: &mut u64,
 ) -> Result<bool, EngineError> {
     let mut id_buf = Vec::with_capacity(64);
     let mut val_buf = Vec::with_capacity(256);
@@ -506,7 +516,42 @@ fn decide_all(
     }
     let mut any = false;
     let mut added = 0u64;
-    let mut key_buf = Vec::with_capacity(80);
+    // Expiry-index records first, entries second: a crash between the two (an engine that cannot
+    // make the batch one atomic unit) leaves at worst an index record naming ids that are absent
+    // or live (the sweeper re-checks each), never an entry no record names (never swept). An
+    // entry whose bucket did not change is still named by the record that put it there: that
+    // record is swept only once its bucket has passed, and by then the entry has expired.
+    let mut records: Vec<(u64, usize, Vec<u8>)> = Vec::new();
+    for (id, slot) in slots.iter() {
+        if !slot.dirty {
+            continue;
+        }
+        let entry = slot.current.as_ref().expect("a dirty slot holds an entry");
+        let bucket = expiry_bucket(entry.expires_at_ms);
+        if slot.stored_expires_at_ms.map(expiry_bucket) == Some(bucket) {
+            continue;
+        }
+        let open = records
+            .iter()
+            .rposition(|(b, n, _)| *b == bucket && *n < EXPIRY_RECORD_IDS_MAX);
+        let i = match open {
+            Some(i) => i,
+            None => {
+                records.push((bucket, 0, Vec::with_capacity(64 * 32)));
+                records.len() - 1
+            }
+        };
+        records[i].1 += 1;
+        push_expiry_id(&mut records[i].2, id);
+    }
+    // Sequence numbers only need to differ between records of one bucket; starting each batch
+    // at (now_ms << 16) or above keeps them distinct across restarts too, as the store's clock
+    // never goes back.
+    *index_seq = (*index_seq + 1).max(now_ms.saturating_mul(1 << 16));
+    for (bucket, _, record) in &records {
+        *index_seq += 1;
+        txn.index_put(&expiry_key(*bucket, *index_seq), record)?;
+    }
     for (id, slot) in slots.iter() {
         if !slot.dirty {
             continue;
@@ -515,20 +560,8 @@ fn decide_all(
             added += 1;
         }
         let entry = slot.current.as_ref().expect("a dirty slot holds an entry");
-        // Order matters where an engine cannot make the batch one atomic unit: a crash between
-        // these steps leaves at worst a stale index key (the sweeper re-checks and drops it),
-        // never an entry without an index key (which would never be swept).
-        let moved = slot.stored_expires_at_ms != Some(entry.expires_at_ms);
-        if moved {
-            expiry_key(entry.expires_at_ms, id, &mut key_buf);
-            txn.index_insert(&key_buf)?;
-        }
         encode_entry(entry, &mut val_buf);
         txn.put(id, &val_buf)?;
-        if let (true, Some(old)) = (moved, slot.stored_expires_at_ms) {
-            expiry_key(old, id, &mut key_buf);
-            txn.index_remove(&key_buf)?;
-        }
         any = true;
     }
     if any {
@@ -545,39 +578,60 @@ fn decide_all(
     Ok(any)
 }
 
-/// Removes up to `batch_max` expired entries, walking the expiry index from the oldest.
+/// Removes up to `batch_max` expired entries, walking the expiry index from the oldest record
+/// whose bucket has passed, examining at most about `batch_max` ids. Sets `more` when passed
+/// records remain. Returns whether anything was written.
 fn sweep_in(
     txn: &mut dyn Txn,
     now_ms: u64,
     batch_max: usize,
     removed: &mut u64,
+    more: &mut bool,
 ) -> Result<bool, EngineError> {
-    // Index keys of entries that expire at or before now sort before (now + 1) in big-endian.
-    let bound = now_ms.saturating_add(1).to_be_bytes();
-    let mut keys = Vec::new();
-    txn.index_before(&bound, batch_max, &mut keys)?;
+    // Records whose bucket is at or before now sort before (now + 1, sequence 0).
+    let bound = expiry_key(now_ms.saturating_add(1), 0);
+    let mut records = Vec::new();
     let mut val_buf = Vec::new();
-    for key in &keys {
-        let (_, id) = codec::split_expiry_key(key).map_err(|e| EngineError::Corrupt(e.0))?;
-        if txn.get(id, &mut val_buf)? {
-            match decode_entry(&val_buf) {
-                Ok(e) if !e.is_live(now_ms) => {
-                    txn.remove(id)?;
-                    *removed += 1;
-                }
-                // Renewed since the index key was written: the entry has a newer index key.
-                Ok(_) => {}
-                // Left for an operator; sweeping it would turn "corrupt" into "absent".
-                Err(e) => tracing::error!(error = %e, "sweeper left an undecodable entry"),
-            }
+    let mut examined = 0usize;
+    let mut wrote = false;
+    *more = false;
+    'fetch: loop {
+        records.clear();
+        // A record names at most EXPIRY_RECORD_IDS_MAX ids: a fetch is a bounded amount.
+        txn.index_before(&bound, 64, &mut records)?;
+        if records.is_empty() {
+            break;
         }
-        txn.index_remove(key)?;
+        for (key, record) in &records {
+            if examined >= batch_max {
+                *more = true;
+                break 'fetch;
+            }
+            let ids = codec::expiry_ids(record).map_err(|e| EngineError::Corrupt(e.0))?;
+            for id in ids {
+                examined += 1;
+                if txn.get(id, &mut val_buf)? {
+                    match decode_entry(&val_buf) {
+                        Ok(e) if !e.is_live(now_ms) => {
+                            txn.remove(id)?;
+                            *removed += 1;
+                        }
+                        // Renewed since this record was written: a newer record names it.
+                        Ok(_) => {}
+                        // Left for an operator; sweeping it would turn "corrupt" into "absent".
+                        Err(e) => tracing::error!(error = %e, "sweeper left an undecodable entry"),
+                    }
+                }
+            }
+            txn.index_remove(key)?;
+            wrote = true;
+        }
     }
     if *removed > 0 {
         let held = txn.meta_get(META_HELD)?.unwrap_or(0);
         txn.meta_put(META_HELD, held.saturating_sub(*removed))?;
     }
-    Ok(!keys.is_empty())
+    Ok(wrote)
 }
 
 /// Why a store's format cannot be used.

@@ -308,8 +308,9 @@ async fn a_corrupt_entry_is_an_error_never_absent() {
         store.apply(id("good"), mark_op(json!(1))).await.unwrap();
         store.apply(id("bad"), mark_op(json!(2))).await.unwrap();
     }
-    // The id encoding: namespace length, namespace, key.
-    raw_put(tmp.path(), "entries", b"\x04testbad", b"\x01\x07junk");
+    let mut bad_key = Vec::new();
+    dedupgate_embedded::codec::encode_id(&id("bad"), &mut bad_key);
+    raw_put(tmp.path(), "entries", &bad_key, b"\x01\x07junk");
     let store = open(tmp.path()).unwrap();
     for op in [Op::Get, claim_op(), mark_op(json!(3)), Op::Forget] {
         let r = store.apply(id("bad"), op).await;

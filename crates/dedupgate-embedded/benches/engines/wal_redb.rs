@@ -32,8 +32,8 @@ use dedupgate_embedded::engine::{Engine, EngineError, Txn, TxnBody};
 
 /// Entries by id (see [`crate::codec`] for both encodings).
 const ENTRIES: TableDefinition<&[u8], &[u8]> = TableDefinition::new("entries");
-/// The expiry index: `u64 big-endian expires_at_ms ++ id`, no value.
-const EXPIRY: TableDefinition<&[u8], ()> = TableDefinition::new("expiry");
+/// The expiry index: records as `dedupgate_embedded::codec::expiry_key` describes.
+const EXPIRY: TableDefinition<&[u8], &[u8]> = TableDefinition::new("expiry");
 /// Named numbers (u64 little-endian): the format version, the clock's high-water mark, counts.
 const META: TableDefinition<&[u8], &[u8]> = TableDefinition::new("meta");
 
@@ -139,7 +139,7 @@ impl WalRedbEngine {
                 match (table, value) {
                     (T_ENTRIES, Some(v)) => t.entries.insert(key, v).map(|_| ()),
                     (T_ENTRIES, None) => t.entries.remove(key).map(|_| ()),
-                    (T_EXPIRY, Some(_)) => t.expiry.insert(key, ()).map(|_| ()),
+                    (T_EXPIRY, Some(v)) => t.expiry.insert(key, v).map(|_| ()),
                     (T_EXPIRY, None) => t.expiry.remove(key).map(|_| ()),
                     (T_META, Some(v)) => t.meta.insert(key, v).map(|_| ()),
                     _ => t.meta.remove(key).map(|_| ()),
@@ -168,7 +168,7 @@ impl WalRedbEngine {
 
 struct Tables<'t> {
     entries: redb::Table<'t, &'static [u8], &'static [u8]>,
-    expiry: redb::Table<'t, &'static [u8], ()>,
+    expiry: redb::Table<'t, &'static [u8], &'static [u8]>,
     meta: redb::Table<'t, &'static [u8], &'static [u8]>,
 }
 
@@ -279,9 +279,9 @@ impl Txn for WalTxn<'_, '_> {
         Ok(())
     }
 
-    fn index_insert(&mut self, key: &[u8]) -> Result<(), EngineError> {
-        self.tables.expiry.insert(key, ()).map_err(redb_err)?;
-        self.log(T_EXPIRY, K_PUT, key, Some(&[]));
+    fn index_put(&mut self, key: &[u8], record: &[u8]) -> Result<(), EngineError> {
+        self.tables.expiry.insert(key, record).map_err(redb_err)?;
+        self.log(T_EXPIRY, K_PUT, key, Some(record));
         Ok(())
     }
 
@@ -295,7 +295,7 @@ impl Txn for WalTxn<'_, '_> {
         &mut self,
         bound: &[u8],
         max: usize,
-        out: &mut Vec<Vec<u8>>,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
         let range = self
             .tables
@@ -303,8 +303,8 @@ impl Txn for WalTxn<'_, '_> {
             .range::<&[u8]>(..bound)
             .map_err(redb_err)?;
         for item in range.take(max) {
-            let (k, _) = item.map_err(redb_err)?;
-            out.push(k.value().to_vec());
+            let (k, v) = item.map_err(redb_err)?;
+            out.push((k.value().to_vec(), v.value().to_vec()));
         }
         Ok(())
     }
