@@ -97,7 +97,7 @@ pub struct DedupArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
               .range(1..=ledger::LEDGER_BATCH_RECORDS_MAX as u64))]
     ledger_batch: usize,
-    /// Keys this run remembers in memory beside a ledger (16-34 bytes each): a repeat within
+    /// Keys this run remembers in memory beside a ledger (about 36 bytes each): a repeat within
     /// them is a duplicate without asking the ledger. At least two batches.
     #[arg(long, default_value_t = ledger::LEDGER_WINDOW_KEYS, value_name = "KEYS")]
     ledger_window: usize,

@@ -30,7 +30,7 @@ pub const LEDGER_BATCH_RECORDS: usize = 4096;
 pub const LEDGER_BATCH_RECORDS_MAX: usize = 5000;
 /// Most output bytes held per batch.
 pub const LEDGER_BATCH_BYTES: usize = 8 << 20;
-/// Keys the window remembers unless `--ledger-window` says otherwise (about 34 MB).
+/// Keys the window remembers unless `--ledger-window` says otherwise (about 36 MB).
 pub const LEDGER_WINDOW_KEYS: usize = 1 << 20;
 /// Lease of a ledger claim: how long a crashed run's records stay held before the next run
 /// may emit them.
