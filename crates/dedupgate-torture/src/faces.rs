@@ -49,6 +49,22 @@ pub async fn open(spec: &str) -> Result<Arc<dyn Store>, OpenError> {
     Ok(dedupgate_stores::open(&parsed).await?)
 }
 
+/// [`open`], tried up to `tries` times 50 ms apart: a store behind a faulty network (the TCP
+/// fault proxy) may fail to open now and then, which is not what a run checks.
+pub async fn open_retrying(spec: &str, tries: u32) -> Result<Arc<dyn Store>, OpenError> {
+    let mut n = 1;
+    loop {
+        match open(spec).await {
+            Ok(s) => return Ok(s),
+            Err(e) if n >= tries => return Err(e),
+            Err(_) => {
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
 /// Serves the HTTP API over `store` on `listener` until `shutdown` resolves: the same
 /// `dedupgate-server` the `dedupgate serve` command runs, so the harness can run a gate process
 /// of its own (`dedupgate-torture gate`) and SIGKILL it.

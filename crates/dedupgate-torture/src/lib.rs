@@ -15,6 +15,7 @@
 //!   (SIGKILL, SIGSTOP/SIGCONT), counting each, then drains and checks.
 //! - [`oracle`]: the checks I1-I5 of issue 7 over the ledger and the answer logs.
 //! - [`failover`]: the loss of a Redis failover (primary SIGKILLed, replica promoted), measured.
+//! - [`ownedpg`]: a PostgreSQL server a run owns, to `kill -9` and restart.
 //! - [`tcpfault`]: a TCP proxy that delays, cuts and truncates a store's connections, counted.
 //! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
 //!
@@ -29,6 +30,7 @@ pub mod ledger;
 pub mod lin;
 pub mod linrun;
 pub mod oracle;
+pub mod ownedpg;
 pub mod runner;
 pub mod tcpfault;
 pub mod worker;

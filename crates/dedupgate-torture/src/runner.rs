@@ -28,6 +28,8 @@ use crate::faces::{self, HttpStore};
 use crate::ledger::{read_answer_logs, read_ledger};
 use crate::lin::{self, LinConfig};
 use crate::oracle::{self, OracleReport};
+use crate::ownedpg::OwnedPg;
+use crate::tcpfault::{route_through, TcpFaultCounts, TcpFaultPlan, TcpFaultProxy};
 use crate::worker::{Delivery, DeliveryMode, PauseNote, Worker, WorkerPlan};
 
 /// Which face the workers use.
@@ -80,8 +82,16 @@ pub struct RunConfig {
     /// Start a Redis server of the run's own (AOF, fsync on every write) and use it as the
     /// store: `store` is then ignored and the server can be SIGKILLed (`kill_store_pct`).
     pub owned_redis: bool,
-    /// Percent of cycles that SIGKILL the owned Redis server and restart it.
+    /// Start a PostgreSQL server of the run's own (fsync on) and use it as the store: `store` is
+    /// then ignored and the server can be `kill -9`ed and restarted (`kill_store_pct`).
+    pub owned_postgres: bool,
+    /// Percent of cycles that SIGKILL the owned Redis or PostgreSQL server and restart it.
     pub kill_store_pct: u32,
+    /// Route the store's connections (`redis://`, `postgres://`) through a TCP fault proxy of
+    /// the run's own with this random plan; turned off when the faults stop.
+    pub tcp_faults: Option<TcpFaultPlan>,
+    /// Percent of cycles that cut every connection through the TCP fault proxy at once.
+    pub tcp_cut_all_pct: u32,
     /// Kill the gate even over the memory store, which forgets everything: only to prove that
     /// the oracles see the losses and duplicates that follow.
     pub allow_volatile_gate_kills: bool,
@@ -116,7 +126,10 @@ impl RunConfig {
             lin_skew_ms: 1,
             allow_volatile_gate_kills: false,
             owned_redis: false,
+            owned_postgres: false,
             kill_store_pct: 0,
+            tcp_faults: None,
+            tcp_cut_all_pct: 0,
             run_tag: format!(
                 "{:x}.{:x}",
                 seed,
@@ -135,8 +148,13 @@ pub struct FaultCounts {
     pub worker_sigkills: u64,
     /// Gate processes SIGKILLed (and restarted).
     pub gate_sigkills: u64,
-    /// Store servers (Redis) SIGKILLed and restarted.
+    /// Store servers (Redis, PostgreSQL) SIGKILLed and restarted.
     pub store_sigkills: u64,
+    /// Cycles that cut every connection through the TCP fault proxy (each connection cut is
+    /// counted in `tcp.commanded_cuts`).
+    pub tcp_cut_all: u64,
+    /// What the TCP fault proxy fired, when the run had one.
+    pub tcp: Option<TcpFaultCounts>,
     /// Lease holders seen stopped (SIGSTOP).
     pub sigstops: u64,
     /// SIGCONTs sent to them after 1.5-3x the lease.
@@ -166,6 +184,10 @@ pub struct RunReport {
     pub lin_violations: Vec<String>,
     /// Keys the linearizability search gave up on.
     pub lin_inconclusive: usize,
+    /// Answers of a kind no fault may produce: an error other than `unavailable` (the store
+    /// said its data is corrupt or it is misconfigured) or a refusal other than `lease_lost`.
+    /// Under network faults the gate must answer unavailable, never anything else.
+    pub wrong_errors: Vec<String>,
     /// Wall time of the run.
     pub elapsed_ms: u64,
 }
@@ -174,7 +196,7 @@ impl RunReport {
     /// True when every check passed (inconclusive linearizability keys do not fail a run; they
     /// are reported).
     pub fn ok(&self) -> bool {
-        self.oracle.ok() && self.lin_violations.is_empty()
+        self.oracle.ok() && self.lin_violations.is_empty() && self.wrong_errors.is_empty()
     }
 
     /// A short human summary.
@@ -182,7 +204,7 @@ impl RunReport {
         let o = &self.oracle;
         let f = &self.faults;
         format!(
-            "{} over {:?}: seed {} | cycles {} (worker SIGKILL {}, gate SIGKILL {}, store SIGKILL {}), SIGSTOP {} / SIGCONT {}, spawns {} | events {}, answers {} ({} unknown), effects {} (late writes rejected {}, re-executions {}, effects without completion answer {}), stale completions refused {} | duplicates {}, lost {}, fence violations {}, replay mismatches {} | linearizability: {} keys, {} ops, {} violations, {} inconclusive | {} ms",
+            "{} over {:?}: seed {} | cycles {} (worker SIGKILL {}, gate SIGKILL {}, store SIGKILL {}, TCP cut-all {}){}, SIGSTOP {} / SIGCONT {}, spawns {} | events {}, answers {} ({} unknown), effects {} (late writes rejected {}, re-executions {}, effects without completion answer {}), stale completions refused {} | duplicates {}, lost {}, fence violations {}, replay mismatches {}, wrong errors {} | linearizability: {} keys, {} ops, {} violations, {} inconclusive | {} ms",
             self.config.store,
             self.config.face,
             self.config.seed,
@@ -190,6 +212,11 @@ impl RunReport {
             f.worker_sigkills,
             f.gate_sigkills,
             f.store_sigkills,
+            f.tcp_cut_all,
+            f.tcp.as_ref().map_or(String::new(), |t| format!(
+                " [TCP proxy: {} connections, {} buffers, {} delayed, {} cut at random, {} cut on command, {} truncated, {} refused upstream down]",
+                t.connections, t.buffers, t.delays, t.cuts, t.commanded_cuts, t.truncations, t.upstream_refused
+            )),
             f.sigstops,
             f.sigconts,
             f.worker_spawns,
@@ -205,6 +232,7 @@ impl RunReport {
             o.lost.len(),
             o.fence_violations.len(),
             o.replay_mismatches.len(),
+            self.wrong_errors.len(),
             self.lin_keys,
             self.lin_ops,
             self.lin_violations.len(),
@@ -229,6 +257,9 @@ pub enum RunError {
     /// The configuration cannot work.
     #[error("bad configuration: {0}")]
     Config(String),
+    /// The store URL cannot be routed through the TCP fault proxy.
+    #[error(transparent)]
+    Route(#[from] crate::tcpfault::RouteError),
 }
 
 struct Slot {
@@ -391,6 +422,20 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         cfg.store = server.url();
         redis = Some(server);
     }
+    let mut postgres = None;
+    if cfg.owned_postgres {
+        let server = tokio::task::block_in_place(OwnedPg::start)?;
+        cfg.store = server.url();
+        postgres = Some(server);
+    }
+    let mut tcp = None;
+    if cfg.tcp_faults.is_some() {
+        let (upstream, _) = route_through(&cfg.store, 0)?;
+        // Faults start once the run's own store is open (see below).
+        let proxy = TcpFaultProxy::start(upstream, TcpFaultPlan::off(), cfg.seed).await?;
+        cfg.store = route_through(&cfg.store, proxy.port())?.1;
+        tcp = Some(proxy);
+    }
     let durable = !(cfg.store.starts_with("memory")) || cfg.allow_volatile_gate_kills;
     if cfg.face == Face::Library
         && !(cfg.store.starts_with("redis")
@@ -420,6 +465,9 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     };
 
     let store: Arc<dyn Store> = faces::open(&worker_store).await?;
+    if let (Some(proxy), Some(plan)) = (tcp.as_ref(), cfg.tcp_faults.clone()) {
+        proxy.set_plan(plan);
+    }
     let mut ctx = PauseCtx {
         cfg: &cfg,
         store: store.clone(),
@@ -469,11 +517,33 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             continue;
         }
         next_fault = Instant::now() + gap(&mut rng);
+        // Each configured server fault fires at least twice and a cut-all at least once a run
+        // (forced in the last cycles if chance has not done it), so a run always proves them.
+        let left = cfg.cycles - faults.cycles;
+        let force_store = cfg.kill_store_pct > 0 && faults.store_sigkills < 2 && left <= 4;
+        let force_cut = cfg.tcp_cut_all_pct > 0 && faults.tcp_cut_all == 0 && left <= 1;
         if let Some(server) = redis.as_mut() {
-            if rng.gen_range(0..100) < cfg.kill_store_pct {
+            if force_store || rng.gen_range(0..100) < cfg.kill_store_pct {
                 // SIGKILL: no shutdown, no final fsync; what was acknowledged must be in the AOF.
                 server.restart()?;
                 faults.store_sigkills += 1;
+                faults.cycles += 1;
+                continue;
+            }
+        }
+        if let Some(server) = postgres.as_ref() {
+            if force_store || rng.gen_range(0..100) < cfg.kill_store_pct {
+                // kill -9 of the postmaster: what was committed must come back from the WAL.
+                tokio::task::block_in_place(|| server.kill9_and_restart())?;
+                faults.store_sigkills += 1;
+                faults.cycles += 1;
+                continue;
+            }
+        }
+        if let Some(proxy) = tcp.as_ref() {
+            if force_cut || rng.gen_range(0..100) < cfg.tcp_cut_all_pct {
+                proxy.cut_all();
+                faults.tcp_cut_all += 1;
                 faults.cycles += 1;
                 continue;
             }
@@ -504,6 +574,9 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     }
 
     // Faults stop: let every worker finish its list (resuming paused ones).
+    if let Some(proxy) = tcp.as_ref() {
+        proxy.set_plan(TcpFaultPlan::off());
+    }
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let mut running = 0;
@@ -550,6 +623,10 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         g.child.wait()?;
     }
     drop(redis);
+    drop(postgres);
+    if let Some(proxy) = tcp.take() {
+        faults.tcp = Some(proxy.counts());
+    }
 
     // Check.
     let effects = read_ledger(&cfg.run_dir)?;
@@ -584,6 +661,7 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     } else {
         (0, 0, vec![], 0)
     };
+    let wrong_errors = wrong_errors(&events);
     Ok(RunReport {
         config: cfg,
         faults,
@@ -592,8 +670,27 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         lin_ops,
         lin_violations,
         lin_inconclusive,
+        wrong_errors,
         elapsed_ms: started.elapsed().as_millis() as u64,
     })
+}
+
+/// Answers no fault may produce (see [`RunReport::wrong_errors`]).
+pub fn wrong_errors(events: &[crate::history::Event]) -> Vec<String> {
+    use crate::history::HAnswer;
+    events
+        .iter()
+        .filter_map(|e| {
+            let bad = match &e.answer {
+                HAnswer::Unknown { why } => {
+                    why.contains("corrupt") || why.contains("misconfigured")
+                }
+                HAnswer::Refused { code } => code != "lease_lost",
+                _ => false,
+            };
+            bad.then(|| format!("{}/{} {:?}: {:?}", e.namespace, e.key, e.op, e.answer))
+        })
+        .collect()
 }
 
 /// Starts a takeover of a paused holder's event once its lease has ended: a worker of the

@@ -58,6 +58,17 @@ enum Cmd {
         /// SIGKILL and restart it in this percent of the cycles (library face).
         #[arg(long)]
         kill_owned_redis_pct: Option<u32>,
+        /// Run a PostgreSQL server of the run's own (fsync on) as the store, and kill -9 and
+        /// restart it in this percent of the cycles.
+        #[arg(long)]
+        kill_owned_postgres_pct: Option<u32>,
+        /// Route the store's connections through a TCP fault proxy that delays, cuts and
+        /// truncates them at random (redis:// or postgres:// stores).
+        #[arg(long)]
+        tcp_faults: bool,
+        /// Percent of cycles that cut every connection through the TCP fault proxy.
+        #[arg(long, default_value_t = 0)]
+        tcp_cut_all_pct: u32,
         /// Lease of every claim, ms.
         #[arg(long, default_value_t = 300)]
         lease_ms: u64,
@@ -204,6 +215,9 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             kill_gate_pct,
             pause_pct,
             kill_owned_redis_pct,
+            kill_owned_postgres_pct,
+            tcp_faults,
+            tcp_cut_all_pct,
             lease_ms,
             dir,
             seed,
@@ -236,6 +250,18 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 cfg.owned_redis = true;
                 cfg.kill_store_pct = pct;
             }
+            if let Some(pct) = kill_owned_postgres_pct {
+                cfg.owned_postgres = true;
+                cfg.kill_store_pct = pct;
+            }
+            if tcp_faults || tcp_cut_all_pct > 0 {
+                cfg.tcp_faults = Some(if tcp_faults {
+                    dedupgate_torture::tcpfault::TcpFaultPlan::ci()
+                } else {
+                    dedupgate_torture::tcpfault::TcpFaultPlan::off()
+                });
+                cfg.tcp_cut_all_pct = tcp_cut_all_pct;
+            }
             cfg.lease_ms = lease_ms;
             cfg.lin = !no_lin;
             eprintln!("torture run: files in {}", dir.display());
@@ -258,6 +284,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .chain(&report.oracle.fence_violations)
                 .chain(&report.oracle.replay_mismatches)
                 .chain(&report.lin_violations)
+                .chain(&report.wrong_errors)
             {
                 println!("VIOLATION {v}");
             }
@@ -359,14 +386,14 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
         Cmd::Worker { store, dir, plan } => {
             let plan: WorkerPlan = serde_json::from_slice(&std::fs::read(&plan)?)?;
-            let opened = faces::open(&store).await?;
+            let opened = faces::open_retrying(&store, 100).await?;
             let mut worker = Worker::new(opened, &dir, plan)?;
             worker.run().await?;
             eprintln!("{}", serde_json::to_string(&worker.stats)?);
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Gate { store, listen } => {
-            let opened = faces::open(&store).await?;
+            let opened = faces::open_retrying(&store, 100).await?;
             let listener = tokio::net::TcpListener::bind(&listen).await?;
             eprintln!("gate: {} on {listen}", opened.describe());
             faces::serve_gate(opened, listener, async {
@@ -413,14 +440,32 @@ fn summarize(text: &str) -> String {
                     .pointer("/report/config/face")
                     .and_then(|s| s.as_str())
                     .unwrap_or("?");
+                let mut extra = String::new();
+                if v.pointer("/report/config/tcp_faults")
+                    .is_some_and(|t| !t.is_null())
+                    || n("/report/config/tcp_cut_all_pct") > 0
+                {
+                    extra.push_str(" + TCP faults");
+                }
+                if n("/report/config/kill_store_pct") > 0 {
+                    extra.push_str(" + store restarts");
+                }
                 let e = runs
-                    .entry(format!("{} over {face}", kind_of(store)))
+                    .entry(format!("{} over {face}{extra}", kind_of(store)))
                     .or_default();
                 for (name, value) in [
                     ("runs", 1),
                     ("cycles", n("/report/faults/cycles")),
                     ("worker_sigkills", n("/report/faults/worker_sigkills")),
                     ("gate_sigkills", n("/report/faults/gate_sigkills")),
+                    ("store_sigkills", n("/report/faults/store_sigkills")),
+                    ("tcp_cut_all", n("/report/faults/tcp_cut_all")),
+                    ("tcp_connections", n("/report/faults/tcp/connections")),
+                    ("tcp_delays", n("/report/faults/tcp/delays")),
+                    ("tcp_cuts", n("/report/faults/tcp/cuts")),
+                    ("tcp_commanded_cuts", n("/report/faults/tcp/commanded_cuts")),
+                    ("tcp_truncations", n("/report/faults/tcp/truncations")),
+                    ("wrong_errors", len("/report/wrong_errors")),
                     ("sigstops", n("/report/faults/sigstops")),
                     ("sigconts", n("/report/faults/sigconts")),
                     ("takeovers", n("/report/faults/takeovers")),

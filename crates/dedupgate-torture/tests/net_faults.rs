@@ -1,0 +1,151 @@
+//! CI tier of the network and restart faults (issue 7): torture runs whose store connections go
+//! through a TCP fault proxy of the test's own (delayed, cut with RST, truncated, and all cut at
+//! once on some cycles), and runs on Redis and PostgreSQL servers of the test's own that are
+//! SIGKILLed and restarted several times a run. Worker SIGKILLs and lease-holder pauses go on
+//! as in `ci_tier.rs`. Each run prints its seed; replay with `DEDUPGATE_TORTURE_SEED=…`.
+//!
+//! Every run must prove its faults fired (counts > 0) and that the gate answered them with
+//! `unavailable` only: never a wrong error, never a wrong new or duplicate (the oracles I1-I5
+//! and linearizability, timed-out calls unknown).
+
+use std::path::PathBuf;
+
+use dedupgate_torture::runner::{self, Face, RunConfig, RunReport};
+use dedupgate_torture::tcpfault::TcpFaultPlan;
+
+fn exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
+}
+
+fn redis_url() -> String {
+    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+fn pg_url() -> String {
+    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+async fn torture(
+    store: &str,
+    face: Face,
+    cycles: u64,
+    tweak: impl FnOnce(&mut RunConfig),
+) -> RunReport {
+    let seed = dedupgate_torture::seed(&format!("net faults {store} {face:?}"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
+    tweak(&mut cfg);
+    let report = runner::run(cfg)
+        .await
+        .expect("the run could be carried out");
+    eprintln!("{}", report.summary());
+    report
+}
+
+fn assert_clean(r: &RunReport) {
+    let seed = r.config.seed;
+    assert!(
+        r.oracle.ok(),
+        "seed {seed}: duplicates {:#?} lost {:#?} fences {:#?} replays {:#?}",
+        r.oracle.duplicates,
+        r.oracle.lost,
+        r.oracle.fence_violations,
+        r.oracle.replay_mismatches
+    );
+    assert!(
+        r.lin_violations.is_empty(),
+        "seed {seed}: {:#?}",
+        r.lin_violations
+    );
+    assert!(
+        r.wrong_errors.is_empty(),
+        "seed {seed}: answers no fault may produce: {:#?}",
+        r.wrong_errors
+    );
+    assert_eq!(r.faults.cycles, r.config.cycles, "seed {seed}");
+    assert!(r.lin_ops > 0, "seed {seed}");
+}
+
+fn assert_tcp_fired(r: &RunReport) {
+    let seed = r.config.seed;
+    let t = r
+        .faults
+        .tcp
+        .as_ref()
+        .expect("the run had a TCP fault proxy");
+    assert!(t.delays > 0, "seed {seed}: no delay fired: {t:?}");
+    assert!(t.cuts > 0, "seed {seed}: no random cut fired: {t:?}");
+    assert!(t.truncations > 0, "seed {seed}: no truncation fired: {t:?}");
+    assert!(r.faults.tcp_cut_all > 0, "seed {seed}: no cut-all cycle");
+    // The faults reached the workers: some answers were unknown (unavailable or timed out).
+    assert!(
+        r.oracle.answers_unknown > 0,
+        "seed {seed}: no call saw the faults"
+    );
+}
+
+fn tcp(c: &mut RunConfig) {
+    c.tcp_faults = Some(TcpFaultPlan::ci());
+    c.tcp_cut_all_pct = 30;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_face_over_redis_through_the_tcp_fault_proxy() {
+    let r = torture(&redis_url(), Face::Library, 12, tcp).await;
+    assert_clean(&r);
+    assert_tcp_fired(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn library_face_over_postgres_through_the_tcp_fault_proxy() {
+    let r = torture(&pg_url(), Face::Library, 12, tcp).await;
+    assert_clean(&r);
+    assert_tcp_fired(&r);
+}
+
+/// The gate process's store connections go through the proxy: the workers must see 503s
+/// (unknown), never a wrong answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_face_over_redis_through_the_tcp_fault_proxy() {
+    let r = torture(&redis_url(), Face::Http, 12, tcp).await;
+    assert_clean(&r);
+    assert_tcp_fired(&r);
+}
+
+/// appendonly yes + appendfsync always: whatever Redis acknowledged is on disk when SIGKILL
+/// lands; several kills and restarts a run, behind the TCP fault proxy too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owned_redis_sigkilled_and_restarted_behind_the_tcp_fault_proxy() {
+    let r = torture("redis (owned)", Face::Library, 14, |c| {
+        c.owned_redis = true;
+        c.kill_store_pct = 35;
+        tcp(c);
+        c.tcp_cut_all_pct = 20;
+    })
+    .await;
+    assert_clean(&r);
+    assert!(
+        r.faults.store_sigkills >= 2,
+        "seed {}: Redis was killed {} times",
+        r.config.seed,
+        r.faults.store_sigkills
+    );
+}
+
+/// kill -9 of the postmaster and a restart (crash recovery from the WAL), several times a run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owned_postgres_killed_and_restarted() {
+    let r = torture("postgres (owned)", Face::Library, 10, |c| {
+        c.owned_postgres = true;
+        c.kill_store_pct = 35;
+    })
+    .await;
+    assert_clean(&r);
+    assert!(
+        r.faults.store_sigkills >= 2,
+        "seed {}: PostgreSQL was killed {} times",
+        r.config.seed,
+        r.faults.store_sigkills
+    );
+}
