@@ -17,12 +17,14 @@
 //! - [`failover`]: the loss of a Redis failover (primary SIGKILLed, replica promoted), measured.
 //! - [`ownedpg`]: a PostgreSQL server a run owns, to `kill -9` and restart.
 //! - [`tcpfault`]: a TCP proxy that delays, cuts and truncates a store's connections, counted.
+//! - [`cron`]: the `dedupgate run` face as a workload, and its checks.
 //! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
 //!
 //! What the checks mean and the figures measured with them: `docs/reliability.md`.
 //!
 //! Every randomized run prints its seed and replays from it.
 
+pub mod cron;
 pub mod faces;
 pub mod failover;
 pub mod history;

@@ -40,6 +40,9 @@ pub enum Face {
     Library,
     /// The HTTP service, run by this harness as its own `gate` process.
     Http,
+    /// `dedupgate run` (the cron gate) over the store, its CMD performing the effect
+    /// ([`crate::cron`]); `kill_gate_pct` is then the percent of `run` processes SIGKILLed.
+    Cron,
 }
 
 /// Shape of a run.
@@ -92,6 +95,8 @@ pub struct RunConfig {
     pub tcp_faults: Option<TcpFaultPlan>,
     /// Percent of cycles that cut every connection through the TCP fault proxy at once.
     pub tcp_cut_all_pct: u32,
+    /// The `dedupgate` binary (cron face); found next to `exe` when None.
+    pub dedupgate_exe: Option<PathBuf>,
     /// Kill the gate even over the memory store, which forgets everything: only to prove that
     /// the oracles see the losses and duplicates that follow.
     pub allow_volatile_gate_kills: bool,
@@ -125,6 +130,7 @@ impl RunConfig {
             lin: true,
             lin_skew_ms: 1,
             allow_volatile_gate_kills: false,
+            dedupgate_exe: None,
             owned_redis: false,
             owned_postgres: false,
             kill_store_pct: 0,
@@ -155,6 +161,8 @@ pub struct FaultCounts {
     pub tcp_cut_all: u64,
     /// What the TCP fault proxy fired, when the run had one.
     pub tcp: Option<TcpFaultCounts>,
+    /// `dedupgate run` invocations and their outcomes (cron face).
+    pub cron: Option<crate::cron::CronCounts>,
     /// Lease holders seen stopped (SIGSTOP).
     pub sigstops: u64,
     /// SIGCONTs sent to them after 1.5-3x the lease.
@@ -213,7 +221,10 @@ impl RunReport {
             f.gate_sigkills,
             f.store_sigkills,
             f.tcp_cut_all,
-            f.tcp.as_ref().map_or(String::new(), |t| format!(
+            f.cron.as_ref().map_or(String::new(), |c| format!(
+                " [dedupgate run: {} invocations, {} SIGKILLed, {} ran, {} skipped, {} CMD refused, {} gate failed, {} unknown]",
+                c.invocations, c.run_sigkills, c.ran, c.skipped, c.cmd_failed, c.gate_failed, c.unknown
+            )) + &f.tcp.as_ref().map_or(String::new(), |t| format!(
                 " [TCP proxy: {} connections, {} buffers, {} delayed, {} cut at random, {} cut on command, {} truncated, {} refused upstream down]",
                 t.connections, t.buffers, t.delays, t.cuts, t.commanded_cuts, t.truncations, t.upstream_refused
             )),
@@ -377,6 +388,26 @@ fn plan(cfg: &RunConfig, worker: String, seed: u64, deliveries: Vec<Delivery>) -
     }
 }
 
+fn cron_plan(cfg: &RunConfig, kill_pct: u32) -> Result<crate::cron::CronPlan, RunError> {
+    let dedupgate_exe = match &cfg.dedupgate_exe {
+        Some(p) => p.clone(),
+        None => crate::cron::dedupgate_exe_near(&cfg.exe).ok_or_else(|| {
+            RunError::Config(format!(
+                "the cron face needs the dedupgate binary next to {} (cargo build -p dedupgate)",
+                cfg.exe.display()
+            ))
+        })?,
+    };
+    Ok(crate::cron::CronPlan {
+        dedupgate_exe,
+        torture_exe: cfg.exe.clone(),
+        store: cfg.store.clone(),
+        kill_pct,
+        kill_after_ms_max: 150,
+        gap_ms_max: 5,
+    })
+}
+
 fn spawn_worker(
     cfg: &RunConfig,
     gate_store: &str,
@@ -386,7 +417,18 @@ fn spawn_worker(
 ) -> std::io::Result<Child> {
     let deliveries = deliveries_for(cfg, spawn, rng);
     all.extend(deliveries.iter().cloned());
-    let p = plan(cfg, format!("w{spawn}"), rng.gen(), deliveries);
+    let mut p = plan(cfg, format!("w{spawn}"), rng.gen(), deliveries);
+    let mut cron_path = None;
+    if cfg.face == Face::Cron {
+        let c = cron_plan(cfg, cfg.kill_gate_pct).map_err(std::io::Error::other)?;
+        let path = cfg.run_dir.join(format!("cron-plan-w{spawn}.json"));
+        std::fs::write(
+            &path,
+            serde_json::to_vec(&c).map_err(std::io::Error::other)?,
+        )?;
+        cron_path = Some(path);
+        p.pause_pct = 0;
+    }
     let plan_path = cfg.run_dir.join(format!("plan-w{spawn}.json"));
     std::fs::write(
         &plan_path,
@@ -401,6 +443,11 @@ fn spawn_worker(
         .arg(&cfg.run_dir)
         .arg("--plan")
         .arg(&plan_path)
+        .args(
+            cron_path
+                .iter()
+                .flat_map(|c| [std::ffi::OsStr::new("--cron"), c.as_os_str()]),
+        )
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -437,7 +484,7 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         tcp = Some(proxy);
     }
     let durable = !(cfg.store.starts_with("memory")) || cfg.allow_volatile_gate_kills;
-    if cfg.face == Face::Library
+    if matches!(cfg.face, Face::Library | Face::Cron)
         && !(cfg.store.starts_with("redis")
             || cfg.store.starts_with("postgres")
             || cfg.store.starts_with("tiered:"))
@@ -457,8 +504,13 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             wait_healthy(&format!("http://{listen}")).await?;
             Some(Gate { child, listen })
         }
-        Face::Library => None,
+        Face::Library | Face::Cron => None,
     };
+    if cfg.face == Face::Cron {
+        // Checked before any process starts.
+        cron_plan(&cfg, 0)?;
+        cfg.lin = false;
+    }
     let worker_store = match &gate {
         Some(g) => format!("http://{}", g.listen),
         None => cfg.store.clone(),
@@ -548,7 +600,10 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
                 continue;
             }
         }
-        let kill_gate = gate.is_some() && durable && rng.gen_range(0..100) < cfg.kill_gate_pct;
+        let kill_gate = gate.is_some()
+            && cfg.face == Face::Http
+            && durable
+            && rng.gen_range(0..100) < cfg.kill_gate_pct;
         if kill_gate {
             let g = gate.as_mut().expect("checked above");
             g.child.kill()?;
@@ -613,6 +668,9 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     drain_plan.effect_gap_ms_max = 0;
     drain_plan.tries_max = 10;
     let mut drain = Worker::new(store, &cfg.run_dir, drain_plan)?;
+    if cfg.face == Face::Cron {
+        drain = drain.with_cron(cron_plan(&cfg, 0)?)?;
+    }
     drain.run().await?;
     for d in &all {
         drain.read(&d.namespace, &d.key).await?;
@@ -631,7 +689,17 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     // Check.
     let effects = read_ledger(&cfg.run_dir)?;
     let events = read_answer_logs(&cfg.run_dir)?;
-    let oracle = oracle::check(&effects, &events, &all);
+    let mut cron_wrong = vec![];
+    let oracle = if cfg.face == Face::Cron {
+        let lines = crate::cron::read_cron_logs(&cfg.run_dir)?;
+        let (report, counts) = crate::cron::check(&effects, &lines, &events, &all, cfg.lease_ms);
+        faults.gate_sigkills = counts.run_sigkills;
+        cron_wrong = counts.wrong_exits.clone();
+        faults.cron = Some(counts);
+        report
+    } else {
+        oracle::check(&effects, &events, &all)
+    };
     let (lin_keys, lin_ops, lin_violations, lin_inconclusive) = if cfg.lin {
         let report = lin::check(
             &events,
@@ -661,7 +729,8 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     } else {
         (0, 0, vec![], 0)
     };
-    let wrong_errors = wrong_errors(&events);
+    let mut wrong_errors = wrong_errors(&events);
+    wrong_errors.extend(cron_wrong);
     Ok(RunReport {
         config: cfg,
         faults,

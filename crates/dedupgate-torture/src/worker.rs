@@ -109,6 +109,7 @@ pub struct Worker {
     rng: StdRng,
     attempts: u64,
     run_dir: std::path::PathBuf,
+    cron: Option<(crate::cron::CronPlan, crate::cron::CronLog)>,
     /// What it saw.
     pub stats: WorkerStats,
 }
@@ -125,6 +126,7 @@ impl Worker {
     /// A worker writing its answer log and effects under `run_dir`.
     pub fn new(store: Arc<dyn Store>, run_dir: &Path, plan: WorkerPlan) -> io::Result<Self> {
         Ok(Self {
+            cron: None,
             log: AnswerLog::create(run_dir, &plan.worker)?,
             sink: Sink::open(run_dir)?,
             rng: StdRng::seed_from_u64(plan.seed),
@@ -134,6 +136,14 @@ impl Worker {
             run_dir: run_dir.to_owned(),
             stats: WorkerStats::default(),
         })
+    }
+
+    /// Delivers through `dedupgate run` instead of the store (the cron face, [`crate::cron`]);
+    /// the store is then used only for [`Worker::read`].
+    pub fn with_cron(mut self, plan: crate::cron::CronPlan) -> io::Result<Self> {
+        let log = crate::cron::CronLog::create(&self.run_dir, &self.plan.worker)?;
+        self.cron = Some((plan, log));
+        Ok(self)
     }
 
     /// Sends one op, logging the call before and the answer after.
@@ -189,11 +199,15 @@ impl Worker {
         while let Some((d, not_before, requeues)) = queue.pop_front() {
             tokio::time::sleep_until(not_before).await;
             self.stats.deliveries += 1;
-            let busy = match d.mode {
-                DeliveryMode::Retriable => self.retriable(&d).await?,
-                DeliveryMode::Idempotent => {
-                    self.idempotent(&d).await?;
-                    false
+            let busy = if self.cron.is_some() {
+                self.cron(&d).await?
+            } else {
+                match d.mode {
+                    DeliveryMode::Retriable => self.retriable(&d).await?,
+                    DeliveryMode::Idempotent => {
+                        self.idempotent(&d).await?;
+                        false
+                    }
                 }
             };
             if busy && requeues < REQUEUES_MAX {
@@ -203,6 +217,28 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// One delivery through `dedupgate run` (see [`crate::cron`]); true when the event was in
+    /// progress elsewhere.
+    async fn cron(&mut self, d: &Delivery) -> io::Result<bool> {
+        let attempt = self.next_attempt();
+        let Some((plan, log)) = self.cron.as_mut() else {
+            return Ok(false);
+        };
+        let out = crate::cron::deliver(
+            plan,
+            log,
+            &mut self.rng,
+            &self.run_dir,
+            &self.plan.worker,
+            &attempt,
+            d,
+            self.plan.lease_ms,
+            20_000,
+        )
+        .await?;
+        Ok(out.busy)
     }
 
     fn next_attempt(&mut self) -> String {

@@ -30,6 +30,8 @@ struct Cli {
 enum FaceArg {
     Library,
     Http,
+    /// `dedupgate run`, the cron gate (needs the dedupgate binary).
+    Cron,
 }
 
 #[derive(Subcommand, Debug)]
@@ -150,6 +152,28 @@ enum Cmd {
         #[arg(long)]
         report: Option<PathBuf>,
     },
+    /// The CMD of a cron-face delivery (run by `dedupgate run`): performs the effect with the
+    /// fence in DEDUPGATE_FENCE.
+    Effect {
+        /// Run directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Attempt id.
+        #[arg(long)]
+        attempt: String,
+        /// Worker name.
+        #[arg(long)]
+        worker: String,
+        /// Lease the run asked for, ms.
+        #[arg(long)]
+        lease_ms: u64,
+        /// Longest sleep after the effect, ms.
+        #[arg(long, default_value_t = 0)]
+        gap_ms_max: u64,
+        /// Idempotent ordering (no lease).
+        #[arg(long)]
+        idempotent: bool,
+    },
     /// One worker process (started by `run`).
     Worker {
         /// STORE it talks to.
@@ -161,6 +185,9 @@ enum Cmd {
         /// Its plan (JSON).
         #[arg(long)]
         plan: PathBuf,
+        /// Deliver through `dedupgate run` with this cron plan (JSON).
+        #[arg(long)]
+        cron: Option<PathBuf>,
     },
     /// The gate process (started by `run`): the HTTP API over STORE.
     Gate {
@@ -234,6 +261,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             let face = match face {
                 FaceArg::Library => Face::Library,
                 FaceArg::Http => Face::Http,
+                FaceArg::Cron => Face::Cron,
             };
             let mut cfg = RunConfig::ci(
                 &store,
@@ -384,10 +412,31 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             println!("{}", summarize(&std::fs::read_to_string(file)?));
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Worker { store, dir, plan } => {
+        Cmd::Effect {
+            dir,
+            attempt,
+            worker,
+            lease_ms,
+            gap_ms_max,
+            idempotent,
+        } => {
+            let code = dedupgate_torture::cron::effect_main(
+                &dir, &attempt, &worker, lease_ms, gap_ms_max, idempotent,
+            )?;
+            Ok(ExitCode::from(code as u8))
+        }
+        Cmd::Worker {
+            store,
+            dir,
+            plan,
+            cron,
+        } => {
             let plan: WorkerPlan = serde_json::from_slice(&std::fs::read(&plan)?)?;
             let opened = faces::open_retrying(&store, 100).await?;
             let mut worker = Worker::new(opened, &dir, plan)?;
+            if let Some(c) = cron {
+                worker = worker.with_cron(serde_json::from_slice(&std::fs::read(c)?)?)?;
+            }
             worker.run().await?;
             eprintln!("{}", serde_json::to_string(&worker.stats)?);
             Ok(ExitCode::SUCCESS)
@@ -460,6 +509,12 @@ fn summarize(text: &str) -> String {
                     ("gate_sigkills", n("/report/faults/gate_sigkills")),
                     ("store_sigkills", n("/report/faults/store_sigkills")),
                     ("tcp_cut_all", n("/report/faults/tcp_cut_all")),
+                    ("run_invocations", n("/report/faults/cron/invocations")),
+                    ("run_sigkills", n("/report/faults/cron/run_sigkills")),
+                    ("run_ran", n("/report/faults/cron/ran")),
+                    ("run_skipped", n("/report/faults/cron/skipped")),
+                    ("run_gate_failed", n("/report/faults/cron/gate_failed")),
+                    ("run_unknown", n("/report/faults/cron/unknown")),
                     ("tcp_connections", n("/report/faults/tcp/connections")),
                     ("tcp_delays", n("/report/faults/tcp/delays")),
                     ("tcp_cuts", n("/report/faults/tcp/cuts")),

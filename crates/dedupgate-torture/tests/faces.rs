@@ -1,0 +1,109 @@
+//! CI tier of the binary's faces as torture workloads (issue 7): `dedupgate run` (the cron gate)
+//! delivering events whose CMD performs the effect with `DEDUPGATE_FENCE`, with worker and
+//! `run` processes SIGKILLed at random moments (between the effect and the completion among
+//! them), over Redis and PostgreSQL, behind the TCP fault proxy and over a Redis that is
+//! SIGKILLed and restarted. Each run prints its seed; replay with `DEDUPGATE_TORTURE_SEED=…`.
+//!
+//! The `dedupgate` binary must sit next to `dedupgate-torture` (`cargo test --workspace` builds
+//! it; alone: `cargo build -p dedupgate`).
+
+use std::path::PathBuf;
+
+use dedupgate_torture::runner::{self, Face, RunConfig, RunReport};
+use dedupgate_torture::tcpfault::TcpFaultPlan;
+
+fn exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
+}
+
+fn redis_url() -> String {
+    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+fn pg_url() -> String {
+    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+async fn torture(
+    store: &str,
+    face: Face,
+    cycles: u64,
+    tweak: impl FnOnce(&mut RunConfig),
+) -> RunReport {
+    let seed = dedupgate_torture::seed(&format!("faces {store} {face:?}"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
+    tweak(&mut cfg);
+    let report = runner::run(cfg)
+        .await
+        .expect("the run could be carried out (is the dedupgate binary built?)");
+    eprintln!("{}", report.summary());
+    report
+}
+
+fn assert_clean(r: &RunReport) {
+    let seed = r.config.seed;
+    assert!(
+        r.oracle.ok(),
+        "seed {seed}: duplicates {:#?} lost {:#?} fences {:#?} replays {:#?}",
+        r.oracle.duplicates,
+        r.oracle.lost,
+        r.oracle.fence_violations,
+        r.oracle.replay_mismatches
+    );
+    assert!(
+        r.wrong_errors.is_empty(),
+        "seed {seed}: {:#?}",
+        r.wrong_errors
+    );
+    assert_eq!(r.faults.cycles, r.config.cycles, "seed {seed}");
+    assert!(
+        r.faults.worker_sigkills > 0,
+        "seed {seed}: no worker killed"
+    );
+}
+
+fn assert_cron_fired(r: &RunReport) {
+    let seed = r.config.seed;
+    let c = r.faults.cron.as_ref().expect("a cron run counts its runs");
+    assert!(
+        c.run_sigkills > 0,
+        "seed {seed}: no dedupgate run killed: {c:?}"
+    );
+    assert!(c.ran > 0 && c.skipped > 0, "seed {seed}: {c:?}");
+    assert!(r.oracle.effects_accepted > 0, "seed {seed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cron_face_over_redis_with_run_and_worker_sigkills() {
+    let r = torture(&redis_url(), Face::Cron, 10, |c| c.kill_gate_pct = 30).await;
+    assert_clean(&r);
+    assert_cron_fired(&r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cron_face_over_postgres_through_the_tcp_fault_proxy() {
+    let r = torture(&pg_url(), Face::Cron, 10, |c| {
+        c.kill_gate_pct = 30;
+        c.tcp_faults = Some(TcpFaultPlan::ci());
+        c.tcp_cut_all_pct = 20;
+    })
+    .await;
+    assert_clean(&r);
+    assert_cron_fired(&r);
+    let t = r.faults.tcp.as_ref().expect("a TCP fault proxy");
+    assert!(t.cuts + t.commanded_cuts + t.truncations > 0, "{t:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cron_face_over_an_owned_redis_that_is_sigkilled() {
+    let r = torture("redis (owned)", Face::Cron, 10, |c| {
+        c.owned_redis = true;
+        c.kill_store_pct = 30;
+        c.kill_gate_pct = 20;
+    })
+    .await;
+    assert_clean(&r);
+    assert!(r.faults.store_sigkills >= 2, "seed {}", r.config.seed);
+}
