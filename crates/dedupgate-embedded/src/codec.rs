@@ -90,7 +90,9 @@ pub const EXPIRY_RECORD_IDS_MAX: usize = 512;
 /// The bucket an entry expiring at `expires_at_ms` is indexed under: the end of its bucket, so
 /// every entry in a record has expired once the clock reaches the record's bucket.
 pub fn expiry_bucket(expires_at_ms: u64) -> u64 {
-    expires_at_ms.div_ceil(EXPIRY_BUCKET_MS).saturating_mul(EXPIRY_BUCKET_MS)
+    expires_at_ms
+        .div_ceil(EXPIRY_BUCKET_MS)
+        .saturating_mul(EXPIRY_BUCKET_MS)
 }
 
 /// The key of an expiry-index record: `u64 big-endian bucket, u64 big-endian sequence`, so byte

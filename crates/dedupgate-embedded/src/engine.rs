@@ -53,6 +53,13 @@ pub trait Txn {
     fn is_empty(&mut self) -> Result<bool, EngineError>;
 }
 
+/// A read-only view of the entries exactly as the last durable commit left them: callers read it
+/// without the writer's queue, so answers that change nothing (duplicates, gets) need no commit.
+pub trait DurableView: Send + Sync {
+    /// Copies the value stored under `id` into `out`; false when there is none.
+    fn get(&self, id: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError>;
+}
+
 /// What the writer asks a [`Txn`] body to return: whether to commit.
 pub type TxnBody<'a> = dyn FnMut(&mut dyn Txn) -> Result<bool, EngineError> + 'a;
 
@@ -63,6 +70,12 @@ pub trait Engine: Send + 'static {
     fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError>;
     /// What the engine is, for logs.
     fn describe(&self) -> String;
+    /// A view of everything committed so far. The writer takes one after each durable commit
+    /// (before it answers) and never while a failed engine awaits reopening; `None` when the
+    /// engine cannot offer one, and every op then goes through the writer.
+    fn durable_view(&self) -> Option<std::sync::Arc<dyn DurableView>> {
+        None
+    }
     /// Called once at a clean shutdown (never after a failed write): lets the engine leave its
     /// files in the state that reopens fastest. Everything acknowledged is already durable.
     fn close(&mut self) -> Result<(), EngineError> {
@@ -228,6 +241,21 @@ impl Txn for FjallTxn<'_> {
     }
 }
 
+struct FjallView(fjall::Snapshot);
+
+impl DurableView for FjallView {
+    fn get(&self, id: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
+        match self.0.get(id).map_err(fjall::Error::from)? {
+            Some(v) => {
+                out.clear();
+                out.extend_from_slice(&v);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+}
+
 impl Engine for FjallEngine {
     fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError> {
         let mut txn = FjallTxn {
@@ -245,6 +273,13 @@ impl Engine for FjallEngine {
 
     fn describe(&self) -> String {
         format!("fjall {}", self.path.display())
+    }
+
+    fn durable_view(&self) -> Option<std::sync::Arc<dyn DurableView>> {
+        // The writer is the only writer, so the keyspace's visible instant is exactly "after
+        // the last commit": the snapshot sees that commit and nothing later.
+        let at = self.keyspace.instant();
+        Some(std::sync::Arc::new(FjallView(self.entries.snapshot_at(at))))
     }
 
     /// Flushes every memtable into sorted segments, so the journals they came from are freed

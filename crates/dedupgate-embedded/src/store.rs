@@ -2,18 +2,20 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dedupgate_core::{
-    Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats, SystemClock,
+    decide, Change, Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats,
+    SystemClock, Token,
 };
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::{Engine, EngineError, EngineOpener, FjallEngine};
+use crate::codec::{decode_entry, encode_id};
+use crate::engine::{DurableView, Engine, EngineError, EngineOpener, FjallEngine};
 use crate::error::OpenError;
 use crate::writer::{check_format, FormatProblem, Request, Shared, Writer};
 use crate::{ENGINE_DIR_NAME, FORMAT_FILE_NAME, LOCK_FILE_NAME};
@@ -76,8 +78,46 @@ pub struct EmbeddedStore {
     stop_sweeper: Option<std_mpsc::Sender<()>>,
     clock: Arc<dyn Clock>,
     description: String,
+    /// When to try the durable view for claims and marks (see [`ViewCredit`]).
+    view_credit: ViewCredit,
     /// Held for the store's life: its flock is the directory's exclusive lock.
     _lock: Option<File>,
+}
+
+/// Decides whether a claim or mark first tries the durable view. A try costs a lookup and a
+/// decision on the caller's thread and pays off only for duplicates, so after a run of misses
+/// (unique keys) only one op in [`VIEW_PROBE_EVERY`] tries, until one hits again.
+#[derive(Debug)]
+struct ViewCredit {
+    credit: AtomicI64,
+    ticks: AtomicU64,
+}
+
+/// Misses in a row after which claims and marks stop trying the view.
+const VIEW_CREDIT_MAX: i64 = 8;
+/// While out of credit, one op in this many still tries the view.
+const VIEW_PROBE_EVERY: u64 = 32;
+
+impl ViewCredit {
+    fn new() -> Self {
+        Self {
+            credit: AtomicI64::new(VIEW_CREDIT_MAX),
+            ticks: AtomicU64::new(0),
+        }
+    }
+
+    fn worth_trying(&self) -> bool {
+        self.credit.load(Ordering::Relaxed) > 0
+            || self.ticks.fetch_add(1, Ordering::Relaxed) % VIEW_PROBE_EVERY == 0
+    }
+
+    fn record(&self, hit: bool) {
+        if hit {
+            self.credit.store(VIEW_CREDIT_MAX, Ordering::Relaxed);
+        } else if self.credit.load(Ordering::Relaxed) > -VIEW_CREDIT_MAX {
+            self.credit.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl std::fmt::Debug for EmbeddedStore {
@@ -409,7 +449,52 @@ impl EmbeddedStore {
             stop_sweeper: Some(stop_tx),
             clock,
             description,
+            view_credit: ViewCredit::new(),
             _lock: lock,
+        }
+    }
+
+    /// Answers `op` from the last durable commit when the answer changes nothing (a duplicate,
+    /// a refusal, a get); `None` when the writer must decide it. Sound because the writer
+    /// publishes each commit's view before it sends that commit's answers: every acknowledged
+    /// change is visible here, and a change not yet acknowledged is concurrent with this op, which
+    /// may then be ordered before it.
+    fn answer_from_view(
+        &self,
+        view: &dyn DurableView,
+        id: &RecordId,
+        op: &Op,
+    ) -> Option<Result<Outcome, GateError>> {
+        let mut key = Vec::with_capacity(64);
+        let mut value = Vec::with_capacity(256);
+        encode_id(id, &mut key);
+        // Errors and undecodable bytes are left to the writer, which reports them properly.
+        let entry = match view.get(&key, &mut value) {
+            Ok(true) => Some(decode_entry(&value).ok()?),
+            Ok(false) => None,
+            Err(_) => return None,
+        };
+        let now_ms = self.clock.now_ms();
+        let decision = decide(id, op.clone(), entry.as_ref(), now_ms, || {
+            Token::new("view-answers-never-create-claims")
+        });
+        match decision.change {
+            Change::Keep => Some(decision.answer),
+            Change::Put(_) => None,
+        }
+    }
+
+    /// The view, when `op` is worth answering from it.
+    fn view_for(&self, op: &Op) -> Option<Arc<dyn DurableView>> {
+        let worth = match op {
+            Op::Get => true,
+            Op::Claim { .. } | Op::Mark { .. } => self.view_credit.worth_trying(),
+            _ => false,
+        };
+        if worth {
+            self.shared.view.get()
+        } else {
+            None
         }
     }
 
@@ -498,6 +583,15 @@ impl Store for EmbeddedStore {
     async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
         op.validate()?;
         self.check_available()?;
+        if let Some(view) = self.view_for(&op) {
+            let answer = self.answer_from_view(view.as_ref(), &id, &op);
+            if !matches!(op, Op::Get) {
+                self.view_credit.record(answer.is_some());
+            }
+            if let Some(answer) = answer {
+                return answer;
+            }
+        }
         let (reply, rx) = oneshot::channel();
         self.send(Request::One { id, op, reply }).await?;
         rx.await.map_err(|_| writer_gone())?
@@ -516,11 +610,57 @@ impl Store for EmbeddedStore {
         if let Err(e) = self.check_available() {
             return fail_all(n, &e);
         }
-        let (reply, rx) = oneshot::channel();
-        if let Err(e) = self.send(Request::Many { ops, reply }).await {
-            return fail_all(n, &e);
+        // Answer what the durable view can; the rest goes to the writer in order. Once an id has
+        // an op for the writer, its later ops follow it there, so they see its change.
+        let mut answers: Vec<Option<Result<Outcome, GateError>>> = Vec::with_capacity(n);
+        let mut to_writer: Vec<(RecordId, Op)> = Vec::new();
+        let mut writer_ids: std::collections::HashSet<RecordId> = Default::default();
+        for (id, op) in ops {
+            let from_view = if writer_ids.contains(&id) {
+                None
+            } else {
+                self.view_for(&op).and_then(|view| {
+                    let answer = self.answer_from_view(view.as_ref(), &id, &op);
+                    if !matches!(op, Op::Get) {
+                        self.view_credit.record(answer.is_some());
+                    }
+                    answer
+                })
+            };
+            match from_view {
+                Some(answer) => answers.push(Some(answer)),
+                None => {
+                    answers.push(None);
+                    writer_ids.insert(id.clone());
+                    to_writer.push((id, op));
+                }
+            }
         }
-        rx.await.unwrap_or_else(|_| fail_all(n, &writer_gone()))
+        if to_writer.is_empty() {
+            return answers.into_iter().flatten().collect();
+        }
+        let sent = to_writer.len();
+        let (reply, rx) = oneshot::channel();
+        let from_writer = match self
+            .send(Request::Many {
+                ops: to_writer,
+                reply,
+            })
+            .await
+        {
+            Ok(()) => rx.await.unwrap_or_else(|_| fail_all(sent, &writer_gone())),
+            Err(e) => fail_all(sent, &e),
+        };
+        let mut from_writer = from_writer.into_iter();
+        answers
+            .into_iter()
+            .map(|a| match a {
+                Some(a) => a,
+                None => from_writer
+                    .next()
+                    .unwrap_or_else(|| Err(GateError::Store(writer_gone()))),
+            })
+            .collect()
     }
 
     async fn health(&self) -> Result<(), StoreError> {
@@ -534,7 +674,9 @@ impl Store for EmbeddedStore {
         self.check_available()?;
         let (reply, rx) = oneshot::channel();
         self.send(Request::Sweep { batch_max, reply }).await?;
-        rx.await.map_err(|_| writer_gone())?.map(|(removed, _)| removed)
+        rx.await
+            .map_err(|_| writer_gone())?
+            .map(|(removed, _)| removed)
     }
 
     async fn stats(&self) -> Result<StoreStats, StoreError> {

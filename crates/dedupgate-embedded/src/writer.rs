@@ -21,7 +21,7 @@ use crate::codec::{
     self, decode_entry, encode_entry, encode_id, expiry_bucket, expiry_key, push_expiry_id,
     EXPIRY_RECORD_IDS_MAX,
 };
-use crate::engine::{Engine, EngineError, EngineOpener, Txn};
+use crate::engine::{DurableView, Engine, EngineError, EngineOpener, Txn};
 
 /// Meta key of the latest instant any commit decided on (unix ms).
 pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
@@ -68,6 +68,28 @@ pub(crate) struct Shared {
     pub last_error: Mutex<String>,
     pub swept_total: AtomicU64,
     pub commits_total: AtomicU64,
+    /// The last durable commit's view; `None` while the store is failed closed.
+    pub view: ViewSlot,
+}
+
+/// Where the writer publishes its [`DurableView`] for callers.
+#[derive(Default)]
+pub(crate) struct ViewSlot(std::sync::RwLock<Option<Arc<dyn DurableView>>>);
+
+impl ViewSlot {
+    pub(crate) fn get(&self) -> Option<Arc<dyn DurableView>> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set(&self, view: Option<Arc<dyn DurableView>>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = view;
+    }
+}
+
+impl std::fmt::Debug for ViewSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ViewSlot")
+    }
 }
 
 impl Shared {
@@ -132,6 +154,7 @@ pub(crate) struct Writer {
 impl Writer {
     /// Runs until every sender is gone.
     pub fn run(mut self) {
+        self.publish_view();
         let mut pending: Vec<Request> = Vec::new();
         let mut held: Option<Request> = None;
         let mut last_answered = 0usize;
@@ -260,6 +283,8 @@ impl Writer {
         });
         match result {
             Ok(()) => {
+                // Before any answer: a caller that has its answer must find it in the view.
+                self.publish_view();
                 self.shared.commits_total.fetch_add(1, Ordering::Relaxed);
                 debug_assert_eq!(answers.len(), n_ops);
                 let mut at = 0;
@@ -311,6 +336,9 @@ impl Writer {
         });
         match result {
             Ok(()) => {
+                if removed > 0 {
+                    self.publish_view();
+                }
                 self.shared
                     .swept_total
                     .fetch_add(removed, Ordering::Relaxed);
@@ -345,6 +373,7 @@ impl Writer {
     /// Clean shutdown: lets a healthy engine tidy its files for a fast reopen. A failure here
     /// loses nothing acknowledged (it is all durable already); it only makes the next open slower.
     fn close(&mut self) {
+        self.shared.view.set(None);
         if let Some(engine) = self.engine.as_mut() {
             let started = Instant::now();
             match engine.close() {
@@ -360,8 +389,17 @@ impl Writer {
         self.engine = None;
     }
 
+    /// Publishes the engine's view of the last durable commit (none without an engine).
+    fn publish_view(&self) {
+        self.shared
+            .view
+            .set(self.engine.as_ref().and_then(|e| e.durable_view()));
+    }
+
     /// Fails closed: drops the engine so nothing more is written through it.
     fn fail(&mut self, e: &EngineError) {
+        // First, so no caller answers from the view of an engine that failed.
+        self.shared.view.set(None);
         tracing::error!(error = %e, "embedded store write failed; failing closed and reopening");
         *self
             .shared
@@ -403,6 +441,7 @@ impl Writer {
                 Ok(engine) => {
                     tracing::warn!(engine = %engine.describe(), "embedded store reopened; resuming");
                     self.engine = Some(engine);
+                    self.publish_view();
                     self.shared.available.store(true, Ordering::Release);
                     return;
                 }

@@ -557,3 +557,66 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     }
     assert!(get(&store, "after").await.unwrap().is_some());
 }
+
+#[tokio::test]
+async fn duplicates_and_gets_are_answered_from_the_last_durable_commit_without_a_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path()).unwrap();
+    store.apply(id("seen"), mark_op(json!("r"))).await.unwrap();
+    let before = store.commits_total();
+    for _ in 0..20 {
+        let again = store.apply(id("seen"), mark_op(json!("r"))).await.unwrap();
+        assert!(
+            matches!(again, Outcome::Marked(Mark::Duplicate { .. })),
+            "{again:?}"
+        );
+        let got = store.apply(id("seen"), Op::Get).await.unwrap();
+        assert!(matches!(got, Outcome::Found(Some(_))), "{got:?}");
+    }
+    assert_eq!(
+        store.commits_total(),
+        before,
+        "no commit for answers that change nothing"
+    );
+    // A change is visible to the next read as soon as it is acknowledged.
+    store.apply(id("seen"), Op::Forget).await.unwrap();
+    let gone = store.apply(id("seen"), Op::Get).await.unwrap();
+    assert!(matches!(gone, Outcome::Found(None)), "{gone:?}");
+}
+
+#[tokio::test]
+async fn in_a_batch_ops_after_a_change_to_their_id_see_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path()).unwrap();
+    store.apply(id("x"), mark_op(json!(1))).await.unwrap();
+    let answers = store
+        .apply_batch(vec![
+            (id("x"), Op::Get),
+            (id("x"), Op::Forget),
+            (id("x"), Op::Get),
+            (id("x"), mark_op(json!(2))),
+            (id("y"), mark_op(json!(3))),
+            (id("y"), mark_op(json!(3))),
+        ])
+        .await;
+    assert!(
+        matches!(&answers[0], Ok(Outcome::Found(Some(_)))),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(&answers[2], Ok(Outcome::Found(None))),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(&answers[3], Ok(Outcome::Marked(Mark::New { .. }))),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(&answers[4], Ok(Outcome::Marked(Mark::New { .. }))),
+        "{answers:?}"
+    );
+    assert!(
+        matches!(&answers[5], Ok(Outcome::Marked(Mark::Duplicate { .. }))),
+        "{answers:?}"
+    );
+}
