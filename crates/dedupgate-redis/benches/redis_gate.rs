@@ -2,8 +2,10 @@
 //! `redis-server` of the benchmark's own (no persistence, so both sides pay the same).
 //!
 //! `cargo bench -p dedupgate-redis` prints a markdown table. Figures, not assertions: the
-//! targets (per-op time at most 1.5x raw, batch rate at least 5x raw) are reported as ratios.
-//! `DG_BENCH_OPS` sets the operations per row (default 200000).
+//! targets (per-op time at most 1.5x raw, batch rate at least 5x raw) are reported as ratios
+//! against the mean of two raw `-P 1` runs at the same concurrency (one first, one last).
+//! `DG_BENCH_OPS` sets the operations per row (default 200000; batch rows claim several times
+//! as many keys so that they last as long).
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,10 +17,14 @@ use dedupgate_redis::testkit::RedisServer;
 use dedupgate_redis::RedisStore;
 
 const CONCURRENCY: usize = 50;
-const BATCH_OPS: usize = 100;
+/// Batch rows: ops per `apply_batch` call, and how many times `DG_BENCH_OPS` keys the row claims.
+const BATCHES: [(usize, usize); 2] = [(100, 4), (1000, 8)];
+/// Pipeline depth of the raw "no round trips" row, shown for scale only.
+const RAW_PIPELINE: usize = 100;
 
 struct Row {
     path: String,
+    keys: usize,
     ops_per_s: f64,
     p50_ms: Option<f64>,
     p99_ms: Option<f64>,
@@ -41,17 +47,11 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e3
 }
 
-fn raw_set_nx(port: u16, requests: usize) -> Row {
+fn raw_set_nx(port: u16, requests: usize, pipeline: usize) -> Row {
     let out = Command::new("redis-benchmark")
-        .args([
-            "-p",
-            &port.to_string(),
-            "-c",
-            &CONCURRENCY.to_string(),
-            "-P",
-            "1",
-        ])
-        .args(["-n", &requests.to_string(), "-r", "1000000", "--csv"])
+        .args(["-p", &port.to_string(), "-c", &CONCURRENCY.to_string()])
+        .args(["-P", &pipeline.to_string()])
+        .args(["-n", &requests.to_string(), "-r", "100000000", "--csv"])
         .args(["SET", "key:__rand_int__", "1", "NX", "EX", "86400"])
         .output()
         .expect("run redis-benchmark");
@@ -66,7 +66,10 @@ fn raw_set_nx(port: u16, requests: usize) -> Row {
         .map(|f| f.trim_matches('"').parse().unwrap_or(0.0))
         .collect();
     Row {
-        path: "raw `SET key NX EX 86400` (redis-benchmark -c 50 -P 1)".into(),
+        path: format!(
+            "raw `SET key 1 NX EX 86400` (redis-benchmark -c {CONCURRENCY} -P {pipeline})"
+        ),
+        keys: requests,
         ops_per_s: fields[0],
         p50_ms: fields.get(3).copied(),
         p99_ms: fields.get(5).copied(),
@@ -118,10 +121,52 @@ async fn gate(store: Arc<dyn Store>, ops: usize, batch: usize, label: &str) -> R
     lat.sort();
     Row {
         path: label.to_owned(),
+        keys: ops,
         ops_per_s: ops as f64 / secs,
         p50_ms: Some(percentile(&lat, 0.5)),
         p99_ms: Some(percentile(&lat, 0.99)),
     }
+}
+
+/// CPU seconds this process (all its threads) used so far: utime + stime from /proc/self/stat,
+/// in the kernel's USER_HZ ticks (100 per second on Linux).
+fn own_cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after_comm = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let f: Vec<&str> = after_comm.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of the stat line; `after_comm` starts at field 3.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// A field of `INFO` (e.g. `used_cpu_user`), as a number.
+fn info_field(info: &str, name: &str) -> f64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn redis_cpu_s(server: &RedisServer) -> f64 {
+    let info = server.cli(&["INFO", "cpu"]).unwrap_or_default();
+    info_field(&info, "used_cpu_user") + info_field(&info, "used_cpu_sys")
+}
+
+/// Calls and microseconds of one command in `INFO commandstats`.
+fn command_stats(server: &RedisServer, cmd: &str) -> (f64, f64) {
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap_or_default();
+    let line = stats
+        .lines()
+        .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
+        .unwrap_or("");
+    let field = |name: &str| {
+        line.split(&format!("{name}="))
+            .nth(1)
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (field("calls"), field("usec"))
 }
 
 fn main() {
@@ -140,93 +185,74 @@ fn main() {
             .expect("open store"),
     );
 
-    // Warm both paths (connections, script cache), then measure raw, gate, batch, raw again.
-    raw_set_nx(server.port(), 10_000);
+    // Warm both paths (connections, script cache), then measure raw, gate, batches, raw again.
+    raw_set_nx(server.port(), 10_000, 1);
     rt.block_on(gate(store.clone(), 10_000, 1, "warm-up"));
-    let mut server_us = Vec::new();
-    let mut phase = |name: &str, run: &mut dyn FnMut() -> Row| {
+    let mut costs = Vec::new();
+    let mut phase = |run: &mut dyn FnMut() -> Row| {
         let _ = server.cli(&["CONFIG", "RESETSTAT"]);
+        let (redis0, own0) = (redis_cpu_s(&server), own_cpu_s());
         let row = run();
-        let stats = server.cli(&["INFO", "commandstats"]).unwrap_or_default();
-        let cost = |cmd: &str| {
-            stats
-                .lines()
-                .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
-                .and_then(|l| l.split(",usec=").nth(1))
-                .and_then(|v| v.split(',').next())
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
+        let (redis1, own1) = (redis_cpu_s(&server), own_cpu_s());
         // Commands a script runs are counted inside its EVALSHA time (and again under their
         // own names), so a gate phase is its EVALSHA time and a raw phase its SET time.
-        let busy_us = if name.starts_with("raw") {
-            cost("set")
+        let raw = row.path.starts_with("raw");
+        let (calls, usec) = command_stats(&server, if raw { "set" } else { "evalsha" });
+        let keys = row.keys as f64;
+        let own = if raw {
+            "–".to_owned() // redis-benchmark is another process
         } else {
-            cost("evalsha")
+            format!("{:.1}", (own1 - own0) * 1e6 / keys)
         };
-        let calls = stats
-            .lines()
-            .find(|l| {
-                l.starts_with(if name.starts_with("raw") {
-                    "cmdstat_set:"
-                } else {
-                    "cmdstat_evalsha:"
-                })
-            })
-            .and_then(|l| l.split("calls=").nth(1))
-            .and_then(|v| v.split(',').next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-        server_us.push(format!(
-            "{name}: {:.1} µs of Redis command time per key, {:.1} keys per call",
-            busy_us / ops_of(&row, ops) as f64,
-            ops_of(&row, ops) as f64 / calls.max(1.0)
+        costs.push(format!(
+            "| {} | {:.1} | {:.1} | {:.1} | {own} |",
+            row.path,
+            (redis1 - redis0) * 1e6 / keys,
+            usec / keys,
+            keys / calls.max(1.0),
         ));
         row
     };
-    fn ops_of(row: &Row, ops: usize) -> usize {
-        if row.path.contains("batches") {
-            ops * 2
-        } else {
-            ops
-        }
-    }
-    let raw1 = phase("raw SET NX EX", &mut || raw_set_nx(server.port(), ops));
-    let single = phase("gate, one op per call", &mut || {
+    let raw1 = phase(&mut || raw_set_nx(server.port(), ops, 1));
+    let single = phase(&mut || {
         rt.block_on(gate(
             store.clone(),
             ops,
             1,
-            "gate claim, one op per call (50 tasks)",
+            &format!("gate claim, one op per call ({CONCURRENCY} tasks)"),
         ))
     });
-    let batched = phase("gate, batches of 100", &mut || {
-        rt.block_on(gate(
-            store.clone(),
-            ops * 2,
-            BATCH_OPS,
-            "gate claim, batches of 100 (50 tasks)",
-        ))
-    });
-    let raw2 = phase("raw SET NX EX (again)", &mut || {
-        raw_set_nx(server.port(), ops)
-    });
+    let batched: Vec<Row> = BATCHES
+        .iter()
+        .map(|&(size, times)| {
+            phase(&mut || {
+                rt.block_on(gate(
+                    store.clone(),
+                    ops * times,
+                    size,
+                    &format!("gate claim, batches of {size} ({CONCURRENCY} tasks)"),
+                ))
+            })
+        })
+        .collect();
+    let pipelined = phase(&mut || raw_set_nx(server.port(), ops * 4, RAW_PIPELINE));
+    let raw2 = phase(&mut || raw_set_nx(server.port(), ops, 1));
     let raw_rate = (raw1.ops_per_s + raw2.ops_per_s) / 2.0;
 
     println!(
-        "\nRedis {} on 127.0.0.1, {} ops per row, concurrency {CONCURRENCY}\n",
+        "\nRedis {} on 127.0.0.1, {} ops per row (batch rows: {:?} x), concurrency {CONCURRENCY}\n",
         version(),
-        ops
+        ops,
+        BATCHES.map(|(size, times)| (size, times)),
     );
-    println!("| path | ops/s | p50 ms (per call) | p99 ms (per call) | vs raw |");
+    println!("| path | keys/s | p50 ms (per call) | p99 ms (per call) | vs raw -P 1 |");
     println!("|---|---:|---:|---:|---:|");
     let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.3}"));
-    for (row, ratio) in [
-        (&raw1, None),
-        (&single, Some(single.ops_per_s / raw_rate)),
-        (&batched, Some(batched.ops_per_s / raw_rate)),
-        (&raw2, None),
-    ] {
+    let mut rows = vec![(&raw1, None), (&single, Some(single.ops_per_s / raw_rate))];
+    rows.extend(batched.iter().map(|b| (b, Some(b.ops_per_s / raw_rate))));
+    rows.push((&pipelined, Some(pipelined.ops_per_s / raw_rate)));
+    rows.push((&raw2, None));
+    for (row, ratio) in rows {
         println!(
             "| {} | {:.0} | {} | {} | {} |",
             row.path,
@@ -237,13 +263,24 @@ fn main() {
         );
     }
     println!(
-        "\nPer-op time, gate / raw: {:.2}x (target ≤ 1.5x). Batch rate / raw rate: {:.2}x (target ≥ 5x).",
-        raw_rate / single.ops_per_s,
-        batched.ops_per_s / raw_rate
+        "\nPer-op time, gate one op per call / raw -P 1: {:.2}x (target ≤ 1.5x).",
+        raw_rate / single.ops_per_s
     );
-    println!("\nServer-side cost (INFO commandstats, EVALSHA including the commands it runs):");
-    for line in server_us {
-        println!("    {line}");
+    for b in &batched {
+        println!(
+            "Batch rate / raw -P 1 rate, {}: {:.2}x (target ≥ 5x).",
+            b.path,
+            b.ops_per_s / raw_rate
+        );
+    }
+    println!("\nCost per key:\n");
+    println!(
+        "| path | Redis CPU µs (INFO cpu) | Redis command µs (commandstats) | keys per command | \
+         bench process CPU µs |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for line in costs {
+        println!("{line}");
     }
 }
 

@@ -1,11 +1,14 @@
 -- dedupgate: dedupgate_core::decide, re-expressed for Redis. One call decides a run of
 -- operations in order, each atomically (the whole script is one atomic step), on Redis's clock.
 --
--- KEYS: per op two keys, the record R and its fence keeper F, both in one hash-tag slot.
--- ARGV[1]: how long (ms) a fence keeper outlives its record.
--- ARGV[2 + 6*i ..]: op code and five arguments; '' stands for "none" (every optional text
--- field is non-empty when given: the Rust side validated the op before sending it).
---   C ttl_ms lease_ms fingerprint owner new_token   claim
+-- KEYS: one per op, the op's record key.
+-- ARGV[1]: how long (ms) a record's key outlives the record's expiry (it keeps the fence).
+-- ARGV[2 ..]: per op, its code and its arguments (the count depends on the code); '' stands
+-- for "none" (every optional text field is non-empty when given: the Rust side validated the
+-- op before sending it).
+--   c ttl_ms lease_ms n new_token*n                  n claims without fingerprint or owner
+--                                                    (on the next n keys)
+--   C ttl_ms lease_ms fingerprint owner new_token    claim
 --   M ttl_ms fingerprint result_json                 mark
 --   K token result_json ttl_ms                       complete
 --   R token                                          release
@@ -13,13 +16,21 @@
 --   G                                                get
 --   F                                                forget
 --
--- A record R is a MessagePack array {state, fence, token, fingerprint, owner, created_at_ms,
+-- A record is a MessagePack array {state, fence, token, fingerprint, owner, created_at_ms,
 -- expires_at_ms, lease_expires_at_ms, completed_at_ms, result_json} with `false` for none,
 -- state 'i' (in_progress), 'c' (completed) or 'r' (released: a fence-keeping tombstone).
--- R expires at its expires_at_ms (PXAT), so Redis forgets it by itself; F keeps the last fence
--- a while longer so that a fence still increases if Redis's clock steps back after expiry.
+-- Its key expires (PXAT) `keep` ms after the record's expires_at_ms, so Redis forgets it by
+-- itself; until then the script treats it as absent but still reads its fence, so a fence
+-- increases even if Redis's clock steps back after expiry.
 --
--- Reply: one array per op:
+-- A claim or mark first tries `SET key new_record NX GET`: when the key does not exist (the
+-- common case) that one command is the whole decision, with fence now * 1000.
+--
+-- Reply: {now_ms, answer per op...}, an answer being
+--   1                     new claim: token as sent, fence now*1000, lease now+lease_ms,
+--                         expiry max(now+ttl_ms, lease end) (the key did not exist)
+--   2                     new mark: fence now*1000, created = completed = now, expiry now+ttl_ms
+--                         (the key did not exist)
 --   {'N', token, fence, lease_expires_at_ms, expires_at_ms}   new claim (or same-owner re-claim)
 --   {'D', record...}      duplicate (claim or mark)
 --   {'M', record...}      new mark
@@ -35,36 +46,36 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local fence_keep_ms = tonumber(ARGV[1])
+local keep = tonumber(ARGV[1])
 local FENCE_PER_MS = 1000
+local fresh_fence = now * FENCE_PER_MS
+local call, pack, unpack = redis.call, cmsgpack.pack, cmsgpack.unpack
 
-local function n2s(n)
-  return string.format('%.0f', n)
-end
+-- A new plain claim's record is this head, the 32-character token, and a tail that depends
+-- only on the run's ttl and lease: no table and no MessagePack call per key.
+local TOKEN_LEN = 32
+local head = string.char(0x9a) .. pack('i', fresh_fence)
+  .. string.sub(pack(string.rep('0', TOKEN_LEN)), 1, -TOKEN_LEN - 1)
 
-local function opt(s)
-  if s == '' then return false end
-  return s
-end
-
--- Reads the record and the fence keeper in one call.
-local function load(r, fk)
-  local both = redis.call('MGET', r, fk)
-  local raw, kept = both[1], both[2]
-  if kept then kept = tonumber(kept) else kept = false end
-  if not raw then return nil, kept end
-  local ok, v = pcall(cmsgpack.unpack, raw)
+local function decode(r, raw)
+  local ok, v = pcall(unpack, raw)
   if not ok or type(v) ~= 'table' or (v[1] ~= 'i' and v[1] ~= 'c' and v[1] ~= 'r') then
-    return redis.error_reply('DGCORRUPT record ' .. r .. ' cannot be read')
+    return nil
   end
   return {s = v[1], f = v[2], t = v[3], p = v[4], o = v[5], c = v[6], e = v[7], l = v[8],
-          d = v[9], r = v[10]}, kept
+          d = v[9], r = v[10]}
 end
 
-local function put(r, fk, e)
-  redis.call('SET', r, cmsgpack.pack({e.s, e.f, e.t, e.p, e.o, e.c, e.e, e.l, e.d, e.r}),
-    'PXAT', n2s(e.e))
-  redis.call('SET', fk, n2s(e.f), 'PXAT', n2s(e.e + fence_keep_ms))
+local function corrupt(r)
+  return redis.error_reply('DGCORRUPT record ' .. r .. ' cannot be read')
+end
+
+local function enc(e)
+  return pack({e.s, e.f, e.t, e.p, e.o, e.c, e.e, e.l, e.d, e.r})
+end
+
+local function put(r, e)
+  call('SET', r, enc(e), 'PXAT', e.e + keep)
 end
 
 local function copy(e)
@@ -78,11 +89,9 @@ local function record(tag, e)
   return {tag, state, e.f, e.p, e.o, e.c, e.e, e.l, e.d, e.r}
 end
 
-local function next_fence(cur, kept)
-  local p = kept
-  if cur and (not p or cur.f > p) then p = cur.f end
-  local f = now * FENCE_PER_MS
-  if p and p + 1 > f then f = p + 1 end
+local function next_fence(cur)
+  local f = fresh_fence
+  if cur and cur.f + 1 > f then f = cur.f + 1 end
   return f
 end
 
@@ -94,137 +103,219 @@ local function lease_passed(e)
   return e.l and now >= e.l
 end
 
-local out = {}
-local n = #KEYS / 2
-for i = 0, n - 1 do
-  local r, fk = KEYS[2 * i + 1], KEYS[2 * i + 2]
-  local a = 2 + 6 * i
-  local code = ARGV[a]
-  local cur, kept = load(r, fk)
-  if cur and cur.err then return cur end
-  -- Present: stored and not expired (tombstones included). Live: present and not a tombstone.
-  local present = nil
+-- Present: stored and not expired (tombstones included). Live: present and not a tombstone.
+local function states(cur)
+  local present, live = nil, nil
   if cur and now < cur.e then present = cur end
-  local live = nil
   if present and present.s ~= 'r' then live = present end
+  return present, live
+end
+
+-- A claim on a key that exists (cur: its record, maybe expired).
+local function claim(r, cur, exp, lease_exp, fp, owner, token)
+  local _, live = states(cur)
+  local function take()
+    local f = next_fence(cur)
+    put(r, {s = 'i', f = f, t = token, p = fp, o = owner, c = now, e = exp, l = lease_exp,
+            d = false, r = false})
+    return {'N', token, f, lease_exp, exp}
+  end
+  if not live then
+    return take()
+  elseif mismatch(live.p, fp) then
+    return {'E', 'fingerprint_mismatch'}
+  elseif live.s == 'i' and owner and live.o == owner then
+    local renewed = copy(live)
+    renewed.l = lease_exp
+    renewed.e = math.max(live.e, lease_exp)
+    put(r, renewed)
+    return {'N', live.t, live.f, lease_exp, renewed.e}
+  elseif live.s == 'i' and lease_passed(live) then
+    return take()
+  else
+    return record('D', live)
+  end
+end
+
+local out = {now}
+local a = 2
+local i = 1
+local nkeys = #KEYS
+while i <= nkeys do
+  local r = KEYS[i]
+  local code = ARGV[a]
   local reply
 
-  if code == 'C' then
-    local ttl_ms, lease_ms = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-    local fp, owner, token = opt(ARGV[a + 3]), opt(ARGV[a + 4]), ARGV[a + 5]
-    local lease_exp = now + lease_ms
-    local function take()
-      local f = next_fence(cur, kept)
-      local exp = math.max(now + ttl_ms, lease_exp)
-      put(r, fk, {s = 'i', f = f, t = token, p = fp, o = owner, c = now, e = exp, l = lease_exp,
-                  d = false, r = false})
-      return {'N', token, f, lease_exp, exp}
+  if code == 'c' then
+    -- A run of plain claims sharing ttl and lease: the hot path, one command per new key.
+    local lease_exp = now + tonumber(ARGV[a + 2])
+    local exp = now + tonumber(ARGV[a + 1])
+    if lease_exp > exp then exp = lease_exp end
+    local n = tonumber(ARGV[a + 3])
+    a = a + 4
+    local tail = pack(false, false, now, exp, lease_exp, false, false)
+    local pxat = string.format('%.0f', exp + keep)
+    for j = i, i + n - 1 do
+      local key, token = KEYS[j], ARGV[a]
+      a = a + 1
+      local v
+      if #token == TOKEN_LEN then
+        v = head .. token .. tail
+      else
+        v = enc({s = 'i', f = fresh_fence, t = token, p = false, o = false, c = now, e = exp,
+                 l = lease_exp, d = false, r = false})
+      end
+      local old = call('SET', key, v, 'NX', 'GET', 'PXAT', pxat)
+      if not old then
+        out[j + 1] = 1
+      else
+        local cur = decode(key, old)
+        if not cur then return corrupt(key) end
+        out[j + 1] = claim(key, cur, exp, lease_exp, false, false, token)
+      end
     end
-    if not live then
-      reply = take()
-    elseif mismatch(live.p, fp) then
-      reply = {'E', 'fingerprint_mismatch'}
-    elseif live.s == 'i' and owner and live.o == owner then
-      local renewed = copy(live)
-      renewed.l = lease_exp
-      renewed.e = math.max(live.e, lease_exp)
-      put(r, fk, renewed)
-      reply = {'N', live.t, live.f, lease_exp, renewed.e}
-    elseif live.s == 'i' and lease_passed(live) then
-      reply = take()
+    i = i + n - 1
+    reply = out[i + 1]
+
+  elseif code == 'C' then
+    local ttl_ms, lease_ms = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    local fp, owner, token = ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
+    a = a + 6
+    if fp == '' then fp = false end
+    if owner == '' then owner = false end
+    local lease_exp = now + lease_ms
+    local exp = math.max(now + ttl_ms, lease_exp)
+    local v = enc({s = 'i', f = fresh_fence, t = token, p = fp, o = owner, c = now, e = exp,
+                   l = lease_exp, d = false, r = false})
+    local old = call('SET', r, v, 'NX', 'GET', 'PXAT', exp + keep)
+    if not old then
+      reply = 1
     else
-      reply = record('D', live)
+      local cur = decode(r, old)
+      if not cur then return corrupt(r) end
+      reply = claim(r, cur, exp, lease_exp, fp, owner, token)
     end
 
   elseif code == 'M' then
-    local ttl_ms, fp, result = tonumber(ARGV[a + 1]), opt(ARGV[a + 2]), opt(ARGV[a + 3])
-    local function set()
-      local e = {s = 'c', f = next_fence(cur, kept), t = false, p = fp, o = false, c = now,
-                 e = now + ttl_ms, l = false, d = now, r = result}
-      put(r, fk, e)
-      return record('M', e)
+    local ttl_ms, fp, result = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
+    a = a + 4
+    if fp == '' then fp = false end
+    if result == '' then result = false end
+    local function new(f)
+      return {s = 'c', f = f, t = false, p = fp, o = false, c = now, e = now + ttl_ms, l = false,
+              d = now, r = result}
     end
-    if not live then
-      reply = set()
-    elseif mismatch(live.p, fp) then
-      reply = {'E', 'fingerprint_mismatch'}
-    elseif live.s == 'i' and lease_passed(live) then
-      reply = set()
+    local old = call('SET', r, enc(new(fresh_fence)), 'NX', 'GET', 'PXAT', now + ttl_ms + keep)
+    if not old then
+      reply = 2
     else
-      reply = record('D', live)
-    end
-
-  elseif code == 'K' then
-    local token, result, ttl = ARGV[a + 1], opt(ARGV[a + 2]), opt(ARGV[a + 3])
-    if live and live.t == token then
-      if live.s == 'i' then
-        local done = copy(live)
-        done.s = 'c'
-        done.l = false
-        done.d = now
-        done.r = result
-        if ttl then done.e = now + tonumber(ttl) end
-        put(r, fk, done)
-        reply = record('K', done)
-      else
-        -- A retried complete whose first answer was lost: answer it, change nothing.
-        reply = record('K', live)
+      local cur = decode(r, old)
+      if not cur then return corrupt(r) end
+      local _, live = states(cur)
+      local function set()
+        local e = new(next_fence(cur))
+        put(r, e)
+        return record('M', e)
       end
-    else
-      reply = {'E', 'lease_lost'}
-    end
-
-  elseif code == 'R' then
-    local token = ARGV[a + 1]
-    if present and present.t == token then
-      if present.s == 'i' then
-        local tomb = copy(present)
-        tomb.s = 'r'
-        tomb.l = false
-        tomb.r = false
-        put(r, fk, tomb)
-        reply = {'R'}
-      elseif present.s == 'r' then
-        reply = {'R'}
+      if not live then
+        reply = set()
+      elseif mismatch(live.p, fp) then
+        reply = {'E', 'fingerprint_mismatch'}
+      elseif live.s == 'i' and lease_passed(live) then
+        reply = set()
       else
-        reply = {'E', 'lease_lost'}
+        reply = record('D', live)
       end
-    else
-      reply = {'E', 'lease_lost'}
-    end
-
-  elseif code == 'X' then
-    local token, lease_ms = ARGV[a + 1], tonumber(ARGV[a + 2])
-    if live and live.s == 'i' and live.t == token then
-      local ext = copy(live)
-      ext.l = now + lease_ms
-      ext.e = math.max(live.e, ext.l)
-      put(r, fk, ext)
-      reply = {'X', ext.l}
-    else
-      reply = {'E', 'lease_lost'}
-    end
-
-  elseif code == 'G' then
-    if live then reply = record('G', live) else reply = {'G'} end
-
-  elseif code == 'F' then
-    if live then
-      -- Like a release, forgetting leaves a fence-keeping tombstone until the old expiry.
-      local tomb = copy(live)
-      tomb.s = 'r'
-      tomb.t = false
-      tomb.l = false
-      tomb.r = false
-      put(r, fk, tomb)
-      reply = {'F', 1}
-    else
-      reply = {'F', 0}
     end
 
   else
-    return redis.error_reply('DGPROTOCOL unknown op code ' .. tostring(code))
+    local raw = call('GET', r)
+    local cur = nil
+    if raw then
+      cur = decode(r, raw)
+      if not cur then return corrupt(r) end
+    end
+    local present, live = states(cur)
+
+    if code == 'K' then
+      local token, result, ttl = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+      a = a + 4
+      if result == '' then result = false end
+      if live and live.t == token then
+        if live.s == 'i' then
+          local done = copy(live)
+          done.s = 'c'
+          done.l = false
+          done.d = now
+          done.r = result
+          if ttl ~= '' then done.e = now + tonumber(ttl) end
+          put(r, done)
+          reply = record('K', done)
+        else
+          -- A retried complete whose first answer was lost: answer it, change nothing.
+          reply = record('K', live)
+        end
+      else
+        reply = {'E', 'lease_lost'}
+      end
+
+    elseif code == 'R' then
+      local token = ARGV[a + 1]
+      a = a + 2
+      if present and present.t == token then
+        if present.s == 'i' then
+          local tomb = copy(present)
+          tomb.s = 'r'
+          tomb.l = false
+          tomb.r = false
+          put(r, tomb)
+          reply = {'R'}
+        elseif present.s == 'r' then
+          reply = {'R'}
+        else
+          reply = {'E', 'lease_lost'}
+        end
+      else
+        reply = {'E', 'lease_lost'}
+      end
+
+    elseif code == 'X' then
+      local token, lease_ms = ARGV[a + 1], tonumber(ARGV[a + 2])
+      a = a + 3
+      if live and live.s == 'i' and live.t == token then
+        local ext = copy(live)
+        ext.l = now + lease_ms
+        ext.e = math.max(live.e, ext.l)
+        put(r, ext)
+        reply = {'X', ext.l}
+      else
+        reply = {'E', 'lease_lost'}
+      end
+
+    elseif code == 'G' then
+      a = a + 1
+      if live then reply = record('G', live) else reply = {'G'} end
+
+    elseif code == 'F' then
+      a = a + 1
+      if live then
+        -- Like a release, forgetting leaves a fence-keeping tombstone until the old expiry.
+        local tomb = copy(live)
+        tomb.s = 'r'
+        tomb.t = false
+        tomb.l = false
+        tomb.r = false
+        put(r, tomb)
+        reply = {'F', 1}
+      else
+        reply = {'F', 0}
+      end
+
+    else
+      return redis.error_reply('DGPROTOCOL unknown op code ' .. tostring(code))
+    end
   end
   out[i + 1] = reply
+  i = i + 1
 end
 return out

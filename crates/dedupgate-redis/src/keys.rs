@@ -1,8 +1,6 @@
-//! Key layout. Each record lives under two Redis keys that share one hash tag, so a Lua script
-//! may touch both and Redis Cluster keeps them on one node:
-//!
-//! - `PREFIX:{TAG}:r:NAMESPACE\0KEY` — the record (MessagePack, expiring at the record's expiry);
-//! - `PREFIX:{TAG}:f:NAMESPACE\0KEY` — the fence keeper (outlives the record a while).
+//! Key layout. Each record lives under one Redis key, `PREFIX:{TAG}:r:NAMESPACE\0KEY`
+//! (MessagePack), which outlives the record's expiry by `fence_keep_ms` so that its fence is
+//! still known after the record expired.
 //!
 //! `TAG` is 16 lowercase hex digits of SHA-256(namespace, NUL, key). Keys may hold any bytes,
 //! braces and NUL included, so they never go inside the braces: the hash tag is always
@@ -15,18 +13,16 @@ use sha2::{Digest, Sha256};
 /// Slots in a Redis Cluster.
 pub const CLUSTER_SLOTS: u16 = 16_384;
 
-/// The two keys of one record, and the cluster slot they share.
+/// The key of one record, and its cluster slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecordKeys {
     /// The record itself.
     pub record: Vec<u8>,
-    /// The fence keeper.
-    pub fence: Vec<u8>,
-    /// The cluster slot of both keys (CRC16 of the hash tag, mod 16384).
+    /// The cluster slot of the key (CRC16 of the hash tag, mod 16384).
     pub slot: u16,
 }
 
-/// Builds the keys of `id` under `prefix` (a validated `[A-Za-z0-9._:-]+`).
+/// Builds the key of `id` under `prefix` (a validated `[A-Za-z0-9._:-]+`).
 pub fn record_keys(prefix: &str, id: &RecordId) -> RecordKeys {
     let mut h = Sha256::new();
     h.update(id.namespace.as_str().as_bytes());
@@ -34,22 +30,16 @@ pub fn record_keys(prefix: &str, id: &RecordId) -> RecordKeys {
     h.update(id.key.as_str().as_bytes());
     let tag = hex::encode(&h.finalize()[..8]);
     let tail_len = id.namespace.as_str().len() + 1 + id.key.as_str().len();
-    let build = |kind: u8| {
-        let mut k = Vec::with_capacity(prefix.len() + tag.len() + 6 + tail_len);
-        k.extend_from_slice(prefix.as_bytes());
-        k.extend_from_slice(b":{");
-        k.extend_from_slice(tag.as_bytes());
-        k.extend_from_slice(b"}:");
-        k.push(kind);
-        k.push(b':');
-        k.extend_from_slice(id.namespace.as_str().as_bytes());
-        k.push(0);
-        k.extend_from_slice(id.key.as_str().as_bytes());
-        k
-    };
+    let mut record = Vec::with_capacity(prefix.len() + tag.len() + 6 + tail_len);
+    record.extend_from_slice(prefix.as_bytes());
+    record.extend_from_slice(b":{");
+    record.extend_from_slice(tag.as_bytes());
+    record.extend_from_slice(b"}:r:");
+    record.extend_from_slice(id.namespace.as_str().as_bytes());
+    record.push(0);
+    record.extend_from_slice(id.key.as_str().as_bytes());
     RecordKeys {
-        record: build(b'r'),
-        fence: build(b'f'),
+        record,
         slot: crc16_xmodem(tag.as_bytes()) % CLUSTER_SLOTS,
     }
 }
@@ -105,7 +95,6 @@ mod tests {
             let id = RecordId::new("ns", key).unwrap();
             let k = record_keys("dg", &id);
             assert_eq!(key_slot(&k.record), k.slot, "{key:?}");
-            assert_eq!(key_slot(&k.fence), k.slot, "{key:?}");
             assert!(k.record.ends_with(key.as_bytes()));
         }
         let a = record_keys("dg", &RecordId::new("ns", "a\0b").unwrap());

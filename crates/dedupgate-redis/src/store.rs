@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dedupgate_core::decide::FENCE_PER_MS;
 use dedupgate_core::{
     Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError, Token,
 };
@@ -158,6 +159,8 @@ struct Prepared {
     id: RecordId,
     keys: RecordKeys,
     op: Op,
+    /// A claim's fresh token, which the script keeps only if it creates a claim.
+    token: Option<Token>,
 }
 
 impl RedisStore {
@@ -290,13 +293,29 @@ impl Inner {
 
     fn eval_cmd(&self, chunk: &[Prepared]) -> Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(self.script.get_hash()).arg(chunk.len() * 2);
+        cmd.arg(self.script.get_hash()).arg(chunk.len());
         for p in chunk {
-            cmd.arg(&p.keys.record[..]).arg(&p.keys.fence[..]);
+            cmd.arg(&p.keys.record[..]);
         }
         cmd.arg(self.opts.fence_keep_ms);
-        for p in chunk {
-            push_op_args(&mut cmd, &p.op);
+        let mut rest = chunk;
+        while let Some(first) = rest.first() {
+            // Consecutive plain claims with one ttl and lease go as one run: 'c' ttl lease n
+            // and n tokens.
+            if let Some(times) = plain_claim(&first.op) {
+                let n = rest
+                    .iter()
+                    .take_while(|p| plain_claim(&p.op) == Some(times))
+                    .count();
+                cmd.arg("c").arg(times.0).arg(times.1).arg(n);
+                for p in &rest[..n] {
+                    cmd.arg(p.token.as_ref().map_or("", Token::as_str));
+                }
+                rest = &rest[n..];
+            } else {
+                push_op_args(&mut cmd, &first.op, first.token.as_ref());
+                rest = &rest[1..];
+            }
         }
         cmd
     }
@@ -387,15 +406,17 @@ impl Inner {
         let mut out = Vec::with_capacity(group.len());
         for (chunk, answer) in chunks.into_iter().zip(answers) {
             match answer.and_then(|v| match v {
-                Value::Array(items) if items.len() == chunk.len() => Ok(items),
+                Value::Array(items) if items.len() == chunk.len() + 1 => Ok(items),
                 Value::ServerError(e) => Err(server_error(e)),
                 other => Err(StoreError::Corrupt(format!(
                     "unexpected script reply {other:?}"
                 ))),
             }) {
                 Ok(items) => {
+                    let mut items = items.into_iter();
+                    let now = items.next().as_ref().and_then(number);
                     for (p, item) in chunk.iter().zip(items) {
-                        out.push((p.index, decode(&p.id, &p.op, item)));
+                        out.push((p.index, decode(p, now, item)));
                     }
                 }
                 Err(e) => {
@@ -422,11 +443,13 @@ impl Inner {
                 Ok(()) => {
                     answers.push(None);
                     let keys = record_keys(&self.opts.key_prefix, &id);
+                    let token = matches!(op, Op::Claim { .. }).then(fresh_token);
                     prepared.push(Prepared {
                         index,
                         id,
                         keys,
                         op,
+                        token,
                     });
                 }
             }
@@ -512,94 +535,145 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
-/// Pushes an op's code and its five arguments (see `decide.lua`). Claims get a fresh random
-/// token, which the script keeps only if it creates a claim.
-fn push_op_args(cmd: &mut Cmd, op: &Op) {
-    let opt = |s: &Option<String>| s.as_deref().unwrap_or("").to_owned();
+/// A new claim's token: 16 bytes from the thread's CSPRNG (ChaCha, seeded and reseeded from
+/// the operating system), as 32 hex digits like [`Token::generate`], without its `getrandom`
+/// system call per claim.
+fn fresh_token() -> Token {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bytes: [u8; 16] = rand::Rng::gen(&mut rand::thread_rng());
+    let mut text = String::with_capacity(32);
+    for b in bytes {
+        text.push(char::from(HEX[usize::from(b >> 4)]));
+        text.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    Token::new(text)
+}
+
+/// A claim without fingerprint or owner: its ttl and lease.
+fn plain_claim(op: &Op) -> Option<(u64, u64)> {
+    match op {
+        Op::Claim {
+            ttl_ms,
+            lease_ms,
+            fingerprint: None,
+            owner: None,
+        } => Some((*ttl_ms, *lease_ms)),
+        _ => None,
+    }
+}
+
+/// Pushes a non-plain op's code and its arguments (see `decide.lua`; '' stands for none). `token` is a
+/// claim's fresh token.
+fn push_op_args(cmd: &mut Cmd, op: &Op, token: Option<&Token>) {
+    fn opt(s: &Option<String>) -> &str {
+        s.as_deref().unwrap_or("")
+    }
     let json =
         |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
-    let args: [String; 6] = match op {
+    let fresh = token.map_or("", Token::as_str);
+    match op {
         Op::Claim {
             ttl_ms,
             lease_ms,
             fingerprint,
             owner,
-        } => [
-            "C".into(),
-            ttl_ms.to_string(),
-            lease_ms.to_string(),
-            opt(fingerprint),
-            opt(owner),
-            Token::generate().as_str().to_owned(),
-        ],
+        } => {
+            cmd.arg("C")
+                .arg(*ttl_ms)
+                .arg(*lease_ms)
+                .arg(opt(fingerprint))
+                .arg(opt(owner))
+                .arg(fresh);
+        }
         Op::Mark {
             ttl_ms,
             fingerprint,
             result,
-        } => [
-            "M".into(),
-            ttl_ms.to_string(),
-            opt(fingerprint),
-            json(result),
-            String::new(),
-            String::new(),
-        ],
+        } => {
+            cmd.arg("M")
+                .arg(*ttl_ms)
+                .arg(opt(fingerprint))
+                .arg(json(result));
+        }
         Op::Complete {
             token,
             result,
             ttl_ms,
-        } => [
-            "K".into(),
-            token.as_str().to_owned(),
-            json(result),
-            ttl_ms.map(|t| t.to_string()).unwrap_or_default(),
-            String::new(),
-            String::new(),
-        ],
-        Op::Release { token } => [
-            "R".into(),
-            token.as_str().to_owned(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-        ],
-        Op::Extend { token, lease_ms } => [
-            "X".into(),
-            token.as_str().to_owned(),
-            lease_ms.to_string(),
-            String::new(),
-            String::new(),
-            String::new(),
-        ],
-        Op::Get => [
-            "G".into(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-        ],
-        Op::Forget => [
-            "F".into(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-        ],
-    };
-    for a in args {
-        cmd.arg(a);
+        } => {
+            cmd.arg("K")
+                .arg(token.as_str())
+                .arg(json(result))
+                .arg(ttl_ms.map(|t| t.to_string()).unwrap_or_default());
+        }
+        Op::Release { token } => {
+            cmd.arg("R").arg(token.as_str());
+        }
+        Op::Extend { token, lease_ms } => {
+            cmd.arg("X").arg(token.as_str()).arg(*lease_ms);
+        }
+        Op::Get => {
+            cmd.arg("G");
+        }
+        Op::Forget => {
+            cmd.arg("F");
+        }
     }
 }
 
-/// Turns one op's script reply into its outcome.
-fn decode(id: &RecordId, op: &Op, v: Value) -> Result<Outcome, GateError> {
+/// Turns one op's script reply into its outcome. `now` is the call's time on Redis's clock (the
+/// reply's first item), from which the short answers for a key that did not exist are rebuilt.
+fn decode(p: &Prepared, now: Option<u64>, v: Value) -> Result<Outcome, GateError> {
+    let (id, op) = (&p.id, &p.op);
     let corrupt =
         |what: &str| GateError::Store(StoreError::Corrupt(format!("script reply: {what}")));
-    let Value::Array(items) = v else {
-        return Err(corrupt("not an array"));
+    let items = match v {
+        Value::Array(items) => items,
+        Value::Int(short) => {
+            let now = now.ok_or_else(|| corrupt("no time"))?;
+            let fence = now * FENCE_PER_MS;
+            return match (short, op, &p.token) {
+                (
+                    1,
+                    Op::Claim {
+                        ttl_ms, lease_ms, ..
+                    },
+                    Some(token),
+                ) => {
+                    let lease_expires_at_ms = now + lease_ms;
+                    Ok(Outcome::Claimed(Claim::New(Lease {
+                        token: token.clone(),
+                        fence,
+                        lease_expires_at_ms,
+                        expires_at_ms: (now + ttl_ms).max(lease_expires_at_ms),
+                    })))
+                }
+                (
+                    2,
+                    Op::Mark {
+                        ttl_ms,
+                        fingerprint,
+                        result,
+                    },
+                    _,
+                ) => Ok(Outcome::Marked(Mark::New {
+                    record: Record {
+                        namespace: id.namespace.clone(),
+                        key: id.key.clone(),
+                        state: State::Completed,
+                        fence,
+                        fingerprint: fingerprint.clone(),
+                        owner: None,
+                        created_at_ms: now,
+                        expires_at_ms: now + ttl_ms,
+                        lease_expires_at_ms: None,
+                        completed_at_ms: Some(now),
+                        result: result.clone(),
+                    },
+                })),
+                _ => Err(corrupt(&format!("{short} does not answer {}", op.name()))),
+            };
+        }
+        _ => return Err(corrupt("not an array")),
     };
     let tag = items
         .first()
