@@ -331,6 +331,12 @@ impl EmbeddedStore {
                     Err(e) => return Err(engine_open_error(&staging, e)),
                 }
             }
+            // The staging directory's own entries (the format file, the keyspace) are durable
+            // only once it is fsync'd; the parent's fsync below covers the rename alone. Found
+            // by dedupgate-torture's power-loss run: engine/FORMAT was gone after a power loss.
+            File::open(&staging)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| OpenError::io(&staging, e))?;
             fs::rename(&staging, &db_path).map_err(|e| OpenError::io(&db_path, e))?;
             undo.trees.push(db_path.clone());
             File::open(dir)
