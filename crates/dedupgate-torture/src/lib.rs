@@ -19,14 +19,20 @@
 //! - [`tcpfault`]: a TCP proxy that delays, cuts and truncates a store's connections, counted.
 //! - [`cron`]: the `dedupgate run` face as a workload, and its checks.
 //! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
+//! - [`storage_faults`]: failed writes and fsyncs (libfiu) and loss of never-synced writes
+//!   under the embedded store; [`clock_jumps`]: the gate's clock jumped (libfaketime); both on
+//!   the frame of [`faultrun`].
 //!
 //! What the checks mean and the figures measured with them: `docs/reliability.md`.
 //!
 //! Every randomized run prints its seed and replays from it.
 
+pub mod clock_jumps;
 pub mod cron;
 pub mod faces;
 pub mod failover;
+pub mod fault_cli;
+pub mod faultrun;
 pub mod history;
 pub mod ledger;
 pub mod lin;
@@ -34,6 +40,7 @@ pub mod linrun;
 pub mod oracle;
 pub mod ownedpg;
 pub mod runner;
+pub mod storage_faults;
 pub mod tcpfault;
 pub mod worker;
 

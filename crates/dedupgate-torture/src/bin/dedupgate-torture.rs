@@ -3,6 +3,8 @@
 //! - `run`: a whole torture run (gate and worker processes, faults, drain, oracles); prints the
 //!   report and exits 1 when an invariant broke.
 //! - `lin`: a concurrent history on any STORE, checked for linearizability.
+//! - `storage-faults` and `clock-jumps`: failed I/O, power loss and clock jumps under an HTTP
+//!   gate (see `storage_faults` and `clock_jumps`).
 //! - `worker` and `gate`: the processes `run` starts.
 
 use std::path::PathBuf;
@@ -152,6 +154,11 @@ enum Cmd {
         #[arg(long)]
         report: Option<PathBuf>,
     },
+    /// Storage faults under the embedded store over HTTP: failed writes and fsyncs (libfiu),
+    /// or loss of never-synced writes (SIGKILL, unsynced data dropped, restart).
+    StorageFaults(dedupgate_torture::fault_cli::StorageFaultsArgs),
+    /// Clock jumps of the gate process (libfaketime) while workers use it.
+    ClockJumps(dedupgate_torture::fault_cli::ClockJumpsArgs),
     /// The CMD of a cron-face delivery (run by `dedupgate run`): performs the effect with the
     /// fence in DEDUPGATE_FENCE.
     Effect {
@@ -408,8 +415,12 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             println!("failover wait_replicas={wait_replicas} replica_stall_ms={replica_stall_ms}: {rounds} rounds, {acked} acknowledged, {lost} lost");
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::StorageFaults(a) => Ok(dedupgate_torture::fault_cli::storage_faults_main(a).await?),
+        Cmd::ClockJumps(a) => Ok(dedupgate_torture::fault_cli::clock_jumps_main(a).await?),
         Cmd::Summarize { file } => {
-            println!("{}", summarize(&std::fs::read_to_string(file)?));
+            let text = std::fs::read_to_string(file)?;
+            println!("{}", summarize(&text));
+            print!("{}", dedupgate_torture::fault_cli::summarize(&text));
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Effect {
