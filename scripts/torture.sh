@@ -6,7 +6,8 @@
 #   scripts/torture.sh --minutes 60 [--fuzz-seconds 3600] [--out DIR] [--cycles-per-run 100]
 #
 # Needs the local Redis (127.0.0.1:6379) and PostgreSQL (127.0.0.1:5432, user postgres, db test)
-# the tests use (DEDUPGATE_TEST_REDIS_URL / DEDUPGATE_TEST_POSTGRES_URL override them). The fuzz
+# the tests use (DEDUPGATE_TEST_REDIS_URL / DEDUPGATE_TEST_POSTGRES_URL override them), and
+# fiu-utils, faketime and cc for the storage-fault and clock-jump runs. The fuzz
 # step needs a nightly toolchain and cargo-fuzz; it is skipped, and says so, without them.
 # Every run prints its seed; a failing run keeps its directory under OUT and exits non-zero.
 set -euo pipefail
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
     --fuzz-seconds) fuzz_seconds="$2"; shift 2 ;;
     --cycles-per-run) cycles="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -31,8 +32,10 @@ pg="${DEDUPGATE_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}"
 mkdir -p "$out"
 report="$out/reports.jsonl"
 
-cargo build -q -p dedupgate-torture
+cargo build -q -p dedupgate-torture -p dedupgate
 bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/dedupgate-torture"
+# The storage-fault and clock-jump runs put the shipped `dedupgate serve` under their injectors.
+export DEDUPGATE_BIN="${bin%-torture}"
 
 failed=0
 run() { # label, args...
@@ -56,6 +59,17 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     --dir "$out/redis-$n" --clean
   run "postgres over library #$n" run --store "$pg" --face library --cycles "$cycles" \
     --dir "$out/pg-$n" --clean
+  run "failed writes and fsyncs, embedded over http #$n" storage-faults --kind failed-io \
+    --episodes 20 --dir "$out/fiu-$n" --clean
+  run "power loss, embedded over http #$n" storage-faults --kind power-loss --episodes 20 \
+    --dir "$out/loss-$n" --clean
+  run "clock jumps, redis over http #$n" clock-jumps --store "$redis" --jumps 40 \
+    --dir "$out/clock-redis-$n" --clean
+  run "clock jumps, postgres over http #$n" clock-jumps --store "$pg" --jumps 40 \
+    --dir "$out/clock-pg-$n" --clean
+  run "clock jumps back, embedded over http #$n" clock-jumps --store "embedded:$out/clock-emb-$n/data" \
+    --jumps 40 --dir "$out/clock-emb-$n/run" --clean
+  [ -d "$out/clock-emb-$n/run" ] || rm -rf "$out/clock-emb-$n"
   run "lin memory #$n" lin --store memory: --histories 10
   run "lin embedded #$n" lin --store "embedded:$out/lin-emb-$n" --histories 10
   rm -rf "$out/lin-emb-$n"

@@ -60,13 +60,13 @@ pub struct GateCmd {
 }
 
 impl GateCmd {
-    /// The `dedupgate` binary next to this one when it has been built (the shipped `serve`),
-    /// else this harness's own `gate` subcommand (the same `dedupgate-server` over the same
-    /// store opening, without the CLI's logging).
+    /// The shipped `dedupgate serve` when `DEDUPGATE_BIN` names the `dedupgate` binary (the
+    /// soak script sets it to a fresh build), else this harness's own `gate` subcommand: the same
+    /// `dedupgate-server` over the same store opening, always built from the tree under test,
+    /// without the CLI's logging (so the fail-closed lines of its log are not counted then).
     pub fn find(torture_exe: &Path, store: &str) -> Self {
-        let program = torture_exe
-            .parent()
-            .map(|d| d.join("dedupgate"))
+        let program = std::env::var_os("DEDUPGATE_BIN")
+            .map(PathBuf::from)
             .filter(|p| p.is_file())
             .unwrap_or_else(|| torture_exe.to_owned());
         Self {
