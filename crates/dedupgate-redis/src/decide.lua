@@ -54,8 +54,9 @@ local call, pack, unpack = redis.call, cmsgpack.pack, cmsgpack.unpack
 -- A new plain claim's record is this head, the 32-character token, and a tail that depends
 -- only on the run's ttl and lease: no table and no MessagePack call per key.
 local TOKEN_LEN = 32
-local head = string.char(0x9a) .. pack('i', fresh_fence)
-  .. string.sub(pack(string.rep('0', TOKEN_LEN)), 1, -TOKEN_LEN - 1)
+-- (0x9a: an array of 10; 0xd9 0x20: a 32-byte string, valid MessagePack whatever header
+-- cmsgpack itself would pick.)
+local head = string.char(0x9a) .. pack('i', fresh_fence) .. string.char(0xd9, TOKEN_LEN)
 
 local function decode(r, raw)
   local ok, v = pcall(unpack, raw)
