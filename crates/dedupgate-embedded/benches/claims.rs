@@ -646,6 +646,10 @@ impl Engine for SqliteEngine {
     }
 }
 
+/// The allocator the `dedupgate` binary ships with, so the figures are the binary's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument is accepted and ignored.
     let secs: f64 = std::env::var("DG_BENCH_SECS")
