@@ -57,6 +57,10 @@ pub struct StorageFaultsArgs {
     /// Probability that a write fails while faults are on (failed-io).
     #[arg(long, default_value_t = 0.02)]
     pub write_fail_probability: f64,
+    /// failed-io: end with a simulated power loss that also loses what was written before a
+    /// failed sync, instead of a plain SIGKILL.
+    #[arg(long)]
+    pub then_power_loss: bool,
     /// Sleep before each sync of the store's files, µs (power-loss: a slow disk).
     #[arg(long, default_value_t = 2_000)]
     pub sync_delay_us: u64,
@@ -149,6 +153,7 @@ pub async fn storage_faults_main(a: StorageFaultsArgs) -> Result<ExitCode, Fault
     cfg.sync_fail_probability = a.sync_fail_probability;
     cfg.write_fail_probability = a.write_fail_probability;
     cfg.sync_delay_us = a.sync_delay_us;
+    cfg.power_loss_at_end = a.then_power_loss;
     cfg.load.workers = a.common.workers;
     match a.kind {
         StorageKind::FailedIo => {

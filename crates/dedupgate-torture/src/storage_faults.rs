@@ -97,6 +97,9 @@ pub struct StorageFaultConfig {
     pub fault_ms: (u64, u64),
     /// How long faults stay off between two phases, ms (uniform).
     pub calm_ms: (u64, u64),
+    /// Failed I/O: end with a simulated power loss (see [`simulate_power_loss`], including the
+    /// loss of what was written before a failed sync) instead of a plain SIGKILL.
+    pub power_loss_at_end: bool,
     /// Sleep before each sync of the store's files, µs (power loss: a slow disk, so that a
     /// SIGKILL often lands while written data is not yet synced).
     pub sync_delay_us: u64,
@@ -118,6 +121,7 @@ impl StorageFaultConfig {
             fault_ms: (150, 600),
             calm_ms: (150, 500),
             sync_delay_us: 2_000,
+            power_loss_at_end: false,
             load: Load::default(),
         }
     }
@@ -142,6 +146,8 @@ pub struct FailedIoCounts {
     pub recovered_without_restart: u64,
     /// Longest wait for that, ms.
     pub recovery_ms_max: u64,
+    /// What the final power loss dropped, when the run ended with one.
+    pub final_power_loss: Option<LossStats>,
 }
 
 /// A failed-I/O run's report.
@@ -169,7 +175,7 @@ impl FailedIoReport {
     pub fn summary(&self) -> String {
         let f = &self.faults;
         format!(
-            "failed I/O on embedded (seed {}, gate {}): {} phases, {} failures injected {:?}, fail-closed seen {} / logged {}, reopens logged {}, recovered without restart {} (max {} ms) | {}",
+            "failed I/O on embedded (seed {}, gate {}): {} phases, {} failures injected {:?}, fail-closed seen {} / logged {}, reopens logged {}, recovered without restart {} (max {} ms), final power loss {:?} | {}",
             self.config.seed,
             self.gate,
             f.phases,
@@ -180,6 +186,7 @@ impl FailedIoReport {
             f.reopens_logged,
             f.recovered_without_restart,
             f.recovery_ms_max,
+            f.final_power_loss,
             self.checked.summary()
         )
     }
@@ -310,13 +317,16 @@ pub async fn failed_io(cfg: StorageFaultConfig) -> Result<FailedIoReport, FaultR
     run.drain().await?;
     faults.fail_closed_logged = count_in_gate_logs(&run, "failing closed");
     faults.reopens_logged = count_in_gate_logs(&run, "embedded store reopened");
-    // What was acknowledged under faults must survive a crash too: SIGKILL, restart without
-    // the injector, then the final reads.
+    // What was acknowledged under faults must survive a crash too: SIGKILL (and, if asked, a
+    // power loss), restart without the injector, then the final reads.
     run.kill_gate()?;
+    if cfg.power_loss_at_end {
+        faults.final_power_loss = Some(simulate_power_loss(&log0, &BTreeMap::new())?);
+    }
     run.start_gate(&[("LD_PRELOAD".into(), String::new())])
         .await?;
     let checked = run.check(Some(lin_cfg())).await?;
-    faults.injected = count_injected(&[log0]);
+    faults.injected = count_injected(std::slice::from_ref(&log0));
     faults.injected_total = faults.injected.values().sum();
     Ok(FailedIoReport {
         config: cfg,
@@ -361,6 +371,12 @@ pub struct LossStats {
     pub renames_unrevertable: u64,
     /// Successful file and directory syncs the shim logged (the evidence the model works from).
     pub syncs_logged: u64,
+    /// Ranges written before a sync that failed, zeroed although a later sync succeeded (the
+    /// kernel marks such pages clean after reporting the error once, so they never reach the
+    /// disk: PostgreSQL's "fsyncgate").
+    pub ranges_poisoned: u64,
+    /// Bytes in them.
+    pub bytes_poisoned: u64,
 }
 
 impl LossStats {
@@ -373,11 +389,18 @@ impl LossStats {
         self.renames_reverted += o.renames_reverted;
         self.renames_unrevertable += o.renames_unrevertable;
         self.syncs_logged += o.syncs_logged;
+        self.ranges_poisoned += o.ranges_poisoned;
+        self.bytes_poisoned += o.bytes_poisoned;
     }
 
     /// Bytes or entries this loss actually dropped.
     pub fn dropped_anything(&self) -> bool {
-        self.bytes_cut + self.bytes_zeroed + self.files_removed + self.renames_reverted > 0
+        self.bytes_cut
+            + self.bytes_zeroed
+            + self.bytes_poisoned
+            + self.files_removed
+            + self.renames_reverted
+            > 0
     }
 }
 
@@ -390,6 +413,8 @@ struct FileState {
     /// It replaced a file when renamed, and the rename is not durable yet.
     replaced: bool,
     dirty: Vec<(u64, u64)>,
+    /// Written before a failed sync: lost whatever syncs follow.
+    poisoned: Vec<(u64, u64)>,
 }
 
 /// Every regular file under `root` with its size: the durable state at the start of a gate
@@ -440,6 +465,7 @@ pub fn simulate_power_loss(
                     origin: None,
                     replaced: false,
                     dirty: vec![],
+                    poisoned: vec![],
                 },
             )
         })
@@ -450,6 +476,7 @@ pub fn simulate_power_loss(
         origin: None,
         replaced: false,
         dirty: vec![],
+        poisoned: vec![],
     };
     // Directory renames not yet made durable: (from, to).
     let mut dir_renames: Vec<(PathBuf, PathBuf)> = vec![];
@@ -530,6 +557,18 @@ pub fn simulate_power_loss(
                     dir_renames.push((a, b));
                 }
             }
+            "F" => {
+                let mut it = rest.splitn(3, ' ');
+                let (Some(call), Some(_errno), Some(p)) = (it.next(), it.next(), it.next()) else {
+                    continue;
+                };
+                if call == "fsync" || call == "fdatasync" {
+                    if let Some(f) = files.get_mut(Path::new(p)) {
+                        let lost: Vec<(u64, u64)> = f.dirty.drain(..).collect();
+                        f.poisoned.extend(lost);
+                    }
+                }
+            }
             "U" => {
                 files.remove(Path::new(rest));
             }
@@ -562,6 +601,16 @@ pub fn simulate_power_loss(
             file.set_len(f.durable_size)?;
             st.files_truncated += 1;
             st.bytes_cut += len - f.durable_size;
+        }
+        for (off, n) in f.poisoned {
+            let end = (off + n).min(f.durable_size).min(len);
+            if off >= end {
+                continue;
+            }
+            file.seek(SeekFrom::Start(off))?;
+            file.write_all(&vec![0u8; (end - off) as usize])?;
+            st.ranges_poisoned += 1;
+            st.bytes_poisoned += end - off;
         }
         for (off, n) in f.dirty {
             let end = (off + n).min(f.durable_size).min(len);
