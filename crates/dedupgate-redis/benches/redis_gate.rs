@@ -180,9 +180,14 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    // 50 tasks with batches of 1000 queue 50000 claims on one connection: a call may wait
+    // longer than the default 2 s answer timeout on a loaded machine, and this measures rate.
     let store: Arc<dyn Store> = Arc::new(
-        rt.block_on(RedisStore::open(&server.url()))
-            .expect("open store"),
+        rt.block_on(RedisStore::open(&format!(
+            "{}?response_timeout_ms=60000",
+            server.url()
+        )))
+        .expect("open store"),
     );
 
     // Warm both paths (connections, script cache), then measure raw, gate, batches, raw again.

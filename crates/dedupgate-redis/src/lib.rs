@@ -10,7 +10,7 @@
 //!   operations are coalesced into shared script calls.
 //! - [`RedisOptions`]: durability (`WAIT` replicas), key prefix and timeouts, read from the URL's
 //!   query string.
-//! - [`keys`]: the key layout — a record and its fence keeper share one hash tag.
+//! - [`keys`]: the key layout — one key per record, under a hash tag derived from its id.
 //! - [`OpenError`]: why a store would not open (bad URL, unreachable server, an eviction policy
 //!   that could drop records).
 //! - `testkit` (feature): start real `redis-server` processes and clusters for tests.

@@ -14,8 +14,8 @@ pub struct RedisOptions {
     pub wait_timeout_ms: u64,
     /// First part of every key (`[A-Za-z0-9._:-]`, 1..=64 bytes), so stores can share a server.
     pub key_prefix: String,
-    /// How long a fence keeper outlives its record, in ms: within this time a claim's fence
-    /// increases even if Redis's clock stepped back.
+    /// How long a record's key outlives the record's expiry, in ms: within this time a claim's
+    /// fence increases even if Redis's clock stepped back (the expired record still holds it).
     pub fence_keep_ms: u64,
     /// Skip the `maxmemory-policy` check (for servers where `CONFIG` is disabled or renamed).
     /// The operator then vouches that the policy is `noeviction`.
