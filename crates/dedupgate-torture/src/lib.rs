@@ -18,6 +18,7 @@
 //! - [`ownedpg`]: a PostgreSQL server a run owns, to `kill -9` and restart.
 //! - [`tcpfault`]: a TCP proxy that delays, cuts and truncates a store's connections, counted.
 //! - [`cron`]: the `dedupgate run` face as a workload, and its checks.
+//! - [`proxyface`]: the Idempotency-Key proxy as a workload, its upstream, and its checks.
 //! - [`faces`]: every face (library over a store, HTTP) as a [`dedupgate_core::Store`].
 //! - [`storage_faults`]: failed writes and fsyncs (libfiu) and loss of never-synced writes
 //!   under the embedded store; [`clock_jumps`]: the gate's clock jumped (libfaketime); both on
@@ -39,6 +40,7 @@ pub mod lin;
 pub mod linrun;
 pub mod oracle;
 pub mod ownedpg;
+pub mod proxyface;
 pub mod runner;
 pub mod storage_faults;
 pub mod tcpfault;

@@ -43,6 +43,9 @@ pub enum Face {
     /// `dedupgate run` (the cron gate) over the store, its CMD performing the effect
     /// ([`crate::cron`]); `kill_gate_pct` is then the percent of `run` processes SIGKILLed.
     Cron,
+    /// `dedupgate proxy` (the Idempotency-Key proxy) over the store, in front of an upstream
+    /// the harness owns ([`crate::proxyface`]); `kill_gate_pct` SIGKILLs the proxy process.
+    Proxy,
 }
 
 /// Shape of a run.
@@ -163,6 +166,8 @@ pub struct FaultCounts {
     pub tcp: Option<TcpFaultCounts>,
     /// `dedupgate run` invocations and their outcomes (cron face).
     pub cron: Option<crate::cron::CronCounts>,
+    /// Requests through `dedupgate proxy` and their answers (proxy face).
+    pub proxy: Option<crate::proxyface::ProxyCounts>,
     /// Lease holders seen stopped (SIGSTOP).
     pub sigstops: u64,
     /// SIGCONTs sent to them after 1.5-3x the lease.
@@ -221,7 +226,10 @@ impl RunReport {
             f.gate_sigkills,
             f.store_sigkills,
             f.tcp_cut_all,
-            f.cron.as_ref().map_or(String::new(), |c| format!(
+            f.proxy.as_ref().map_or(String::new(), |p| format!(
+                " [dedupgate proxy: {} requests, {} fresh, {} replayed, {} in flight (409), {} 5xx, {} unknown]",
+                p.requests, p.fresh, p.replayed, p.in_flight, p.server_errors, p.unknown
+            )) + &f.cron.as_ref().map_or(String::new(), |c| format!(
                 " [dedupgate run: {} invocations, {} SIGKILLed, {} ran, {} skipped, {} CMD refused, {} gate failed, {} unknown]",
                 c.invocations, c.run_sigkills, c.ran, c.skipped, c.cmd_failed, c.gate_failed, c.unknown
             )) + &f.tcp.as_ref().map_or(String::new(), |t| format!(
@@ -388,16 +396,52 @@ fn plan(cfg: &RunConfig, worker: String, seed: u64, deliveries: Vec<Delivery>) -
     }
 }
 
-fn cron_plan(cfg: &RunConfig, kill_pct: u32) -> Result<crate::cron::CronPlan, RunError> {
-    let dedupgate_exe = match &cfg.dedupgate_exe {
-        Some(p) => p.clone(),
+fn dedupgate_exe(cfg: &RunConfig) -> Result<PathBuf, RunError> {
+    match &cfg.dedupgate_exe {
+        Some(p) => Ok(p.clone()),
         None => crate::cron::dedupgate_exe_near(&cfg.exe).ok_or_else(|| {
             RunError::Config(format!(
-                "the cron face needs the dedupgate binary next to {} (cargo build -p dedupgate)",
+                "the {:?} face needs the dedupgate binary next to {} (cargo build -p dedupgate)",
+                cfg.face,
                 cfg.exe.display()
             ))
-        })?,
-    };
+        }),
+    }
+}
+
+fn spawn_proxy(cfg: &RunConfig, upstream: &str, listen: &str, n: u64) -> Result<Child, RunError> {
+    let log = std::fs::File::create(cfg.run_dir.join(format!("proxy-{n}.log")))?;
+    Ok(Command::new(dedupgate_exe(cfg)?)
+        .args(["proxy", "--upstream", upstream, "--listen", listen])
+        .args(["--store", &cfg.store, "--upstream-timeout", "5s"])
+        .arg("--lease")
+        .arg(format!("{}ms", cfg.lease_ms))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?)
+}
+
+async fn wait_listening(listen: &str) -> Result<(), RunError> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if tokio::net::TcpStream::connect(listen).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(RunError::GateDown(listen.to_owned()))
+}
+
+fn proxy_plan(listen: &str) -> crate::proxyface::ProxyPlan {
+    crate::proxyface::ProxyPlan {
+        url: format!("http://{listen}"),
+        timeout_ms: 10_000,
+    }
+}
+
+fn cron_plan(cfg: &RunConfig, kill_pct: u32) -> Result<crate::cron::CronPlan, RunError> {
+    let dedupgate_exe = dedupgate_exe(cfg)?;
     Ok(crate::cron::CronPlan {
         dedupgate_exe,
         torture_exe: cfg.exe.clone(),
@@ -411,6 +455,7 @@ fn cron_plan(cfg: &RunConfig, kill_pct: u32) -> Result<crate::cron::CronPlan, Ru
 fn spawn_worker(
     cfg: &RunConfig,
     gate_store: &str,
+    proxy_listen: Option<&str>,
     spawn: u64,
     rng: &mut StdRng,
     all: &mut BTreeSet<Delivery>,
@@ -429,6 +474,20 @@ fn spawn_worker(
         cron_path = Some(path);
         p.pause_pct = 0;
     }
+    if let (Face::Proxy, Some(listen)) = (cfg.face, proxy_listen) {
+        let path = cfg.run_dir.join(format!("proxy-plan-w{spawn}.json"));
+        std::fs::write(
+            &path,
+            serde_json::to_vec(&proxy_plan(listen)).map_err(std::io::Error::other)?,
+        )?;
+        cron_path = Some(path);
+        p.pause_pct = 0;
+    }
+    let face_flag = if cfg.face == Face::Proxy {
+        "--proxy"
+    } else {
+        "--cron"
+    };
     let plan_path = cfg.run_dir.join(format!("plan-w{spawn}.json"));
     std::fs::write(
         &plan_path,
@@ -446,7 +505,7 @@ fn spawn_worker(
         .args(
             cron_path
                 .iter()
-                .flat_map(|c| [std::ffi::OsStr::new("--cron"), c.as_os_str()]),
+                .flat_map(|c| [std::ffi::OsStr::new(face_flag), c.as_os_str()]),
         )
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -497,6 +556,12 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let mut faults = FaultCounts::default();
     let mut gate_n = 0u64;
+    // The proxy face's upstream, kept by this process; its executions go to the ledger.
+    let upstream = match cfg.face {
+        Face::Proxy => Some(crate::proxyface::Upstream::start(&cfg.run_dir).await?),
+        _ => None,
+    };
+    let upstream_url = upstream.as_ref().map(|u| u.url()).unwrap_or_default();
     let mut gate = match cfg.face {
         Face::Http => {
             let listen = format!("127.0.0.1:{}", free_port()?);
@@ -504,7 +569,20 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             wait_healthy(&format!("http://{listen}")).await?;
             Some(Gate { child, listen })
         }
+        Face::Proxy => {
+            let listen = format!("127.0.0.1:{}", free_port()?);
+            let child = spawn_proxy(&cfg, &upstream_url, &listen, gate_n)?;
+            wait_listening(&listen).await?;
+            Some(Gate { child, listen })
+        }
         Face::Library | Face::Cron => None,
+    };
+    if cfg.face == Face::Proxy {
+        cfg.lin = false;
+    }
+    let proxy_listen = match (cfg.face, &gate) {
+        (Face::Proxy, Some(g)) => Some(g.listen.clone()),
+        _ => None,
     };
     if cfg.face == Face::Cron {
         // Checked before any process starts.
@@ -512,6 +590,8 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         cfg.lin = false;
     }
     let worker_store = match &gate {
+        // Proxy-face workers talk HTTP to the proxy; their store goes unused.
+        Some(_) if cfg.face == Face::Proxy => "memory:".to_owned(),
         Some(g) => format!("http://{}", g.listen),
         None => cfg.store.clone(),
     };
@@ -530,7 +610,14 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
                         all: &mut BTreeSet<Delivery>,
                         faults: &mut FaultCounts|
      -> std::io::Result<Slot> {
-        let child = spawn_worker(&cfg, &worker_store, spawn, rng, all)?;
+        let child = spawn_worker(
+            &cfg,
+            &worker_store,
+            proxy_listen.as_deref(),
+            spawn,
+            rng,
+            all,
+        )?;
         let slot = Slot {
             child,
             name: Some(format!("w{spawn}")),
@@ -573,9 +660,16 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         // (forced in the last cycles if chance has not done it), so a run always proves them.
         let left = cfg.cycles - faults.cycles;
         let force_store = cfg.kill_store_pct > 0 && faults.store_sigkills < 2 && left <= 4;
-        let force_cut = cfg.tcp_cut_all_pct > 0 && faults.tcp_cut_all == 0 && left <= 1;
+        let force_cut =
+            !force_store && cfg.tcp_cut_all_pct > 0 && faults.tcp_cut_all == 0 && left <= 1;
+        let force_gate = cfg.kill_gate_pct > 0
+            && matches!(cfg.face, Face::Http | Face::Proxy)
+            && faults.gate_sigkills == 0
+            && left <= 2
+            && !force_store
+            && !force_cut;
         if let Some(server) = redis.as_mut() {
-            if force_store || rng.gen_range(0..100) < cfg.kill_store_pct {
+            if force_store || (!force_gate && rng.gen_range(0..100) < cfg.kill_store_pct) {
                 // SIGKILL: no shutdown, no final fsync; what was acknowledged must be in the AOF.
                 server.restart()?;
                 faults.store_sigkills += 1;
@@ -584,7 +678,7 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             }
         }
         if let Some(server) = postgres.as_ref() {
-            if force_store || rng.gen_range(0..100) < cfg.kill_store_pct {
+            if force_store || (!force_gate && rng.gen_range(0..100) < cfg.kill_store_pct) {
                 // kill -9 of the postmaster: what was committed must come back from the WAL.
                 tokio::task::block_in_place(|| server.kill9_and_restart())?;
                 faults.store_sigkills += 1;
@@ -593,7 +687,7 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             }
         }
         if let Some(proxy) = tcp.as_ref() {
-            if force_cut || rng.gen_range(0..100) < cfg.tcp_cut_all_pct {
+            if force_cut || (!force_gate && rng.gen_range(0..100) < cfg.tcp_cut_all_pct) {
                 proxy.cut_all();
                 faults.tcp_cut_all += 1;
                 faults.cycles += 1;
@@ -601,17 +695,22 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             }
         }
         let kill_gate = gate.is_some()
-            && cfg.face == Face::Http
+            && matches!(cfg.face, Face::Http | Face::Proxy)
             && durable
-            && rng.gen_range(0..100) < cfg.kill_gate_pct;
+            && (force_gate || rng.gen_range(0..100) < cfg.kill_gate_pct);
         if kill_gate {
             let g = gate.as_mut().expect("checked above");
             g.child.kill()?;
             g.child.wait()?;
             faults.gate_sigkills += 1;
             gate_n += 1;
-            g.child = spawn_gate(&cfg, &g.listen, gate_n)?;
-            wait_healthy(&worker_store).await?;
+            if cfg.face == Face::Proxy {
+                g.child = spawn_proxy(&cfg, &upstream_url, &g.listen, gate_n)?;
+                wait_listening(&g.listen).await?;
+            } else {
+                g.child = spawn_gate(&cfg, &g.listen, gate_n)?;
+                wait_healthy(&worker_store).await?;
+            }
         } else {
             // A paused holder is left to its SIGCONT: its late write is the point of the pause.
             let running: Vec<usize> = (0..slots.len())
@@ -660,7 +759,8 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     tokio::time::sleep(Duration::from_millis(cfg.lease_ms * 2 + 100)).await;
     let retriable: Vec<Delivery> = all
         .iter()
-        .filter(|d| d.mode == DeliveryMode::Retriable)
+        // Every proxied request is retriable (claim, forward, complete).
+        .filter(|d| d.mode == DeliveryMode::Retriable || cfg.face == Face::Proxy)
         .cloned()
         .collect();
     let mut drain_plan = plan(&cfg, "drain".into(), cfg.seed, retriable);
@@ -671,15 +771,33 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
     if cfg.face == Face::Cron {
         drain = drain.with_cron(cron_plan(&cfg, 0)?)?;
     }
+    if let Some(listen) = &proxy_listen {
+        drain = drain.with_proxy(proxy_plan(listen))?;
+    }
     drain.run().await?;
-    for d in &all {
-        drain.read(&d.namespace, &d.key).await?;
+    if let Some(listen) = &proxy_listen {
+        // The final requests, one per event: each must be a replay of what was stored.
+        let mut p = plan(
+            &cfg,
+            "final".into(),
+            cfg.seed,
+            all.iter().cloned().collect(),
+        );
+        p.pause_pct = 0;
+        let mut fin =
+            Worker::new(drain_store(), &cfg.run_dir, p)?.with_proxy(proxy_plan(listen))?;
+        fin.run().await?;
+    } else {
+        for d in &all {
+            drain.read(&d.namespace, &d.key).await?;
+        }
     }
     drop(drain);
     if let Some(mut g) = gate.take() {
         g.child.kill()?;
         g.child.wait()?;
     }
+    drop(upstream);
     drop(redis);
     drop(postgres);
     if let Some(proxy) = tcp.take() {
@@ -696,6 +814,13 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         faults.gate_sigkills = counts.run_sigkills;
         cron_wrong = counts.wrong_exits.clone();
         faults.cron = Some(counts);
+        report
+    } else if cfg.face == Face::Proxy {
+        let lines = crate::proxyface::read_px_logs(&cfg.run_dir)?;
+        let (report, counts) =
+            crate::proxyface::check(&effects, &lines, &all, cfg.lease_ms, "final");
+        cron_wrong = counts.wrong.clone();
+        faults.proxy = Some(counts);
         report
     } else {
         oracle::check(&effects, &events, &all)
@@ -742,6 +867,10 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
         wrong_errors,
         elapsed_ms: started.elapsed().as_millis() as u64,
     })
+}
+
+fn drain_store() -> Arc<dyn Store> {
+    Arc::new(dedupgate_core::MemoryStore::new())
 }
 
 /// Answers no fault may produce (see [`RunReport::wrong_errors`]).

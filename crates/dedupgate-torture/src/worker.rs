@@ -110,6 +110,7 @@ pub struct Worker {
     attempts: u64,
     run_dir: std::path::PathBuf,
     cron: Option<(crate::cron::CronPlan, crate::cron::CronLog)>,
+    proxy: Option<(crate::proxyface::ProxyPlan, crate::proxyface::PxLog)>,
     /// What it saw.
     pub stats: WorkerStats,
 }
@@ -127,6 +128,7 @@ impl Worker {
     pub fn new(store: Arc<dyn Store>, run_dir: &Path, plan: WorkerPlan) -> io::Result<Self> {
         Ok(Self {
             cron: None,
+            proxy: None,
             log: AnswerLog::create(run_dir, &plan.worker)?,
             sink: Sink::open(run_dir)?,
             rng: StdRng::seed_from_u64(plan.seed),
@@ -143,6 +145,14 @@ impl Worker {
     pub fn with_cron(mut self, plan: crate::cron::CronPlan) -> io::Result<Self> {
         let log = crate::cron::CronLog::create(&self.run_dir, &self.plan.worker)?;
         self.cron = Some((plan, log));
+        Ok(self)
+    }
+
+    /// Delivers through the Idempotency-Key proxy instead of the store (the proxy face,
+    /// [`crate::proxyface`]).
+    pub fn with_proxy(mut self, plan: crate::proxyface::ProxyPlan) -> io::Result<Self> {
+        let log = crate::proxyface::PxLog::create(&self.run_dir, &self.plan.worker)?;
+        self.proxy = Some((plan, log));
         Ok(self)
     }
 
@@ -201,6 +211,15 @@ impl Worker {
             self.stats.deliveries += 1;
             let busy = if self.cron.is_some() {
                 self.cron(&d).await?
+            } else if self.proxy.is_some() {
+                let attempt = self.next_attempt();
+                match self.proxy.as_mut() {
+                    Some((plan, log)) => {
+                        crate::proxyface::deliver(plan, log, &self.plan.worker, &attempt, &d)
+                            .await?
+                    }
+                    None => false,
+                }
             } else {
                 match d.mode {
                     DeliveryMode::Retriable => self.retriable(&d).await?,

@@ -107,3 +107,41 @@ async fn cron_face_over_an_owned_redis_that_is_sigkilled() {
     assert_clean(&r);
     assert!(r.faults.store_sigkills >= 2, "seed {}", r.config.seed);
 }
+
+fn assert_proxy_fired(r: &RunReport) {
+    let seed = r.config.seed;
+    let p = r
+        .faults
+        .proxy
+        .as_ref()
+        .expect("a proxy run counts its requests");
+    assert!(
+        r.faults.gate_sigkills > 0,
+        "seed {seed}: the proxy was never killed"
+    );
+    assert!(p.fresh > 0 && p.replayed > 0, "seed {seed}: {p:?}");
+    assert!(p.unknown > 0, "seed {seed}: no request was cut off: {p:?}");
+}
+
+/// The proxy over the embedded store, SIGKILLed and restarted on the same data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_face_over_embedded_with_proxy_and_worker_sigkills() {
+    let data = tempfile::tempdir().unwrap();
+    let store = format!("embedded:{}", data.path().join("proxy-data").display());
+    let r = torture(&store, Face::Proxy, 12, |c| c.kill_gate_pct = 30).await;
+    assert_clean(&r);
+    assert_proxy_fired(&r);
+}
+
+/// The proxy over Redis through the TCP fault proxy, SIGKILLed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_face_over_redis_through_the_tcp_fault_proxy() {
+    let r = torture(&redis_url(), Face::Proxy, 12, |c| {
+        c.kill_gate_pct = 25;
+        c.tcp_faults = Some(TcpFaultPlan::ci());
+        c.tcp_cut_all_pct = 20;
+    })
+    .await;
+    assert_clean(&r);
+    assert_proxy_fired(&r);
+}

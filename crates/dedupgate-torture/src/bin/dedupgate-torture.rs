@@ -34,6 +34,8 @@ enum FaceArg {
     Http,
     /// `dedupgate run`, the cron gate (needs the dedupgate binary).
     Cron,
+    /// `dedupgate proxy`, the Idempotency-Key proxy (needs the dedupgate binary).
+    Proxy,
 }
 
 #[derive(Subcommand, Debug)]
@@ -195,6 +197,9 @@ enum Cmd {
         /// Deliver through `dedupgate run` with this cron plan (JSON).
         #[arg(long)]
         cron: Option<PathBuf>,
+        /// Deliver through `dedupgate proxy` with this plan (JSON).
+        #[arg(long)]
+        proxy: Option<PathBuf>,
     },
     /// The gate process (started by `run`): the HTTP API over STORE.
     Gate {
@@ -269,6 +274,7 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 FaceArg::Library => Face::Library,
                 FaceArg::Http => Face::Http,
                 FaceArg::Cron => Face::Cron,
+                FaceArg::Proxy => Face::Proxy,
             };
             let mut cfg = RunConfig::ci(
                 &store,
@@ -441,12 +447,16 @@ async fn real_main(cli: Cli) -> Result<ExitCode, Box<dyn std::error::Error>> {
             dir,
             plan,
             cron,
+            proxy,
         } => {
             let plan: WorkerPlan = serde_json::from_slice(&std::fs::read(&plan)?)?;
             let opened = faces::open_retrying(&store, 100).await?;
             let mut worker = Worker::new(opened, &dir, plan)?;
             if let Some(c) = cron {
                 worker = worker.with_cron(serde_json::from_slice(&std::fs::read(c)?)?)?;
+            }
+            if let Some(p) = proxy {
+                worker = worker.with_proxy(serde_json::from_slice(&std::fs::read(p)?)?)?;
             }
             worker.run().await?;
             eprintln!("{}", serde_json::to_string(&worker.stats)?);
@@ -526,6 +536,12 @@ fn summarize(text: &str) -> String {
                     ("run_skipped", n("/report/faults/cron/skipped")),
                     ("run_gate_failed", n("/report/faults/cron/gate_failed")),
                     ("run_unknown", n("/report/faults/cron/unknown")),
+                    ("proxy_requests", n("/report/faults/proxy/requests")),
+                    ("proxy_fresh", n("/report/faults/proxy/fresh")),
+                    ("proxy_replayed", n("/report/faults/proxy/replayed")),
+                    ("proxy_in_flight", n("/report/faults/proxy/in_flight")),
+                    ("proxy_5xx", n("/report/faults/proxy/server_errors")),
+                    ("proxy_unknown", n("/report/faults/proxy/unknown")),
                     ("tcp_connections", n("/report/faults/tcp/connections")),
                     ("tcp_delays", n("/report/faults/tcp/delays")),
                     ("tcp_cuts", n("/report/faults/tcp/cuts")),
