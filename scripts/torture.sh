@@ -59,6 +59,26 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     --dir "$out/redis-$n" --clean
   run "postgres over library #$n" run --store "$pg" --face library --cycles "$cycles" \
     --dir "$out/pg-$n" --clean
+  run "redis over library, TCP faults #$n" run --store "$redis" --face library --cycles "$cycles" \
+    --tcp-faults --tcp-cut-all-pct 20 --dir "$out/redis-tcp-$n" --clean
+  run "postgres over library, TCP faults #$n" run --store "$pg" --face library --cycles "$cycles" \
+    --tcp-faults --tcp-cut-all-pct 20 --dir "$out/pg-tcp-$n" --clean
+  run "redis over http, TCP faults #$n" run --store "$redis" --face http --cycles "$cycles" \
+    --tcp-faults --tcp-cut-all-pct 20 --dir "$out/redis-http-tcp-$n" --clean
+  run "owned redis over library, SIGKILL and restart, TCP faults #$n" run --face library \
+    --cycles "$cycles" --kill-owned-redis-pct 20 --tcp-faults --tcp-cut-all-pct 10 \
+    --dir "$out/redis-own-$n" --clean
+  run "owned postgres over library, kill -9 and restart #$n" run --face library --cycles "$cycles" \
+    --kill-owned-postgres-pct 10 --dir "$out/pg-own-$n" --clean
+  run "dedupgate run over redis, run SIGKILLs #$n" run --store "$redis" --face cron \
+    --cycles "$cycles" --kill-gate-pct 30 --dir "$out/cron-redis-$n" --clean
+  run "dedupgate run over postgres, TCP faults #$n" run --store "$pg" --face cron --cycles "$cycles" \
+    --kill-gate-pct 30 --tcp-faults --tcp-cut-all-pct 20 --dir "$out/cron-pg-$n" --clean
+  run "dedupgate proxy over embedded, proxy SIGKILLs #$n" run --store "embedded:$out/px-emb-$n/data" \
+    --face proxy --cycles "$cycles" --kill-gate-pct 30 --dir "$out/px-emb-$n/run" --clean
+  [ -d "$out/px-emb-$n/run" ] || rm -rf "$out/px-emb-$n"
+  run "dedupgate proxy over redis, TCP faults #$n" run --store "$redis" --face proxy \
+    --cycles "$cycles" --kill-gate-pct 25 --tcp-faults --tcp-cut-all-pct 20 --dir "$out/px-redis-$n" --clean
   run "failed writes and fsyncs, embedded over http #$n" storage-faults --kind failed-io \
     --episodes 20 --dir "$out/fiu-$n" --clean
   run "power loss, embedded over http #$n" storage-faults --kind power-loss --episodes 20 \

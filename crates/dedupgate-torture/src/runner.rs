@@ -98,7 +98,8 @@ pub struct RunConfig {
     pub tcp_faults: Option<TcpFaultPlan>,
     /// Percent of cycles that cut every connection through the TCP fault proxy at once.
     pub tcp_cut_all_pct: u32,
-    /// The `dedupgate` binary (cron face); found next to `exe` when None.
+    /// The `dedupgate` binary (cron and proxy faces); `DEDUPGATE_BIN`, else the one next to
+    /// `exe`, when None.
     pub dedupgate_exe: Option<PathBuf>,
     /// Kill the gate even over the memory store, which forgets everything: only to prove that
     /// the oracles see the losses and duplicates that follow.
@@ -399,13 +400,17 @@ fn plan(cfg: &RunConfig, worker: String, seed: u64, deliveries: Vec<Delivery>) -
 fn dedupgate_exe(cfg: &RunConfig) -> Result<PathBuf, RunError> {
     match &cfg.dedupgate_exe {
         Some(p) => Ok(p.clone()),
-        None => crate::cron::dedupgate_exe_near(&cfg.exe).ok_or_else(|| {
-            RunError::Config(format!(
+        None => std::env::var_os("DEDUPGATE_BIN")
+            .map(PathBuf::from)
+            .filter(|p| p.is_file())
+            .or_else(|| crate::cron::dedupgate_exe_near(&cfg.exe))
+            .ok_or_else(|| {
+                RunError::Config(format!(
                 "the {:?} face needs the dedupgate binary next to {} (cargo build -p dedupgate)",
                 cfg.face,
                 cfg.exe.display()
             ))
-        }),
+            }),
     }
 }
 
