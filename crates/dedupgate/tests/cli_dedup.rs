@@ -508,11 +508,48 @@ fn ledger_on_a_server() {
     };
     let first = dedup(&late);
     let second = dedup(&all);
+    // Small batches: each HTTP batch completes the previous batch's claims and claims the next.
+    let more = write(dir.path(), "more.jsonl", &(events(0..60) + &events(60..90)));
+    let small = |input: &Path| {
+        dg().args(["dedup", "--key-fields", "event_id", "--server", &url])
+            .args(["--ledger-batch", "7"])
+            .arg(input)
+            .output()
+            .unwrap()
+    };
+    let third = small(&more);
+    let fourth = small(&more);
+    let new_part = write(dir.path(), "new.jsonl", &events(60..90));
+    let ids = dg()
+        .args(["id", "--key-fields", "event_id", "--print"])
+        .arg(&new_part)
+        .output()
+        .unwrap();
+    let states: Vec<String> = out(&ids)
+        .lines()
+        .map(|id| {
+            let got = dg()
+                .args(["get", "--server", &url, "-n", "dedup", "-k", id])
+                .output()
+                .unwrap();
+            let record: serde_json::Value = serde_json::from_slice(&got.stdout).unwrap();
+            record["state"].as_str().unwrap_or("").to_owned()
+        })
+        .collect();
     let _ = server.kill();
     let _ = server.wait();
     assert!(first.status.success(), "{}", err(&first));
     assert_eq!(out(&first), events(30..60));
     assert_eq!(out(&second), events(0..30));
+    assert!(third.status.success(), "{}", err(&third));
+    assert_eq!(out(&third), events(60..90));
+    assert!(fourth.status.success(), "{}", err(&fourth));
+    assert_eq!(out(&fourth), "");
+    assert_eq!(states.len(), 30);
+    assert!(
+        states.iter().all(|s| s == "completed"),
+        "every claim of the third run was completed: {states:?}"
+    );
 }
 
 #[test]

@@ -32,6 +32,8 @@ pub const LEDGER_BATCH_RECORDS_MAX: usize = 5000;
 pub const LEDGER_BATCH_BYTES: usize = 8 << 20;
 /// Keys the window remembers unless `--ledger-window` says otherwise (about 36 MB).
 pub const LEDGER_WINDOW_KEYS: usize = 1 << 20;
+/// Most keys `--ledger-window` takes.
+pub const LEDGER_WINDOW_KEYS_MAX: usize = 1 << 30;
 /// Lease of a ledger claim: how long a crashed run's records stay held before the next run
 /// may emit them.
 pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
@@ -49,9 +51,11 @@ impl Window {
     /// A window of about `keys` keys.
     pub fn new(keys: usize) -> Self {
         let generation = (keys / 2).max(1);
+        // Sized up front for the default window (no rehash while it fills); a larger one grows.
+        let initial = generation.min(LEDGER_WINDOW_KEYS / 2);
         Self {
-            current: HashSet::with_capacity_and_hasher(generation, Prehashed::default()),
-            previous: HashSet::with_capacity_and_hasher(generation, Prehashed::default()),
+            current: HashSet::with_capacity_and_hasher(initial, Prehashed::default()),
+            previous: HashSet::with_capacity_and_hasher(initial, Prehashed::default()),
             generation,
         }
     }
