@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Benchmark of `dedupgate proxy` with wrk, in one run:
+# Benchmark of `dedupgate proxy` with wrk, in one run, over one or more stores:
 #   1. direct: POST straight to the sample API (the upstream);
 #   2. first:  POST through the proxy, every request with a new Idempotency-Key (claim, forward,
 #              store the response, answer);
 #   3. replay: POST through the proxy, every request with the same key (answered from the store).
-# Each scenario runs with few connections (latency: what the proxy adds to p50) and with many
-# (throughput), in interleaved rounds. Prints a Markdown table (also written to $OUT, default
-# target/bench-proxy.md).
+# One proxy per store runs beside the others; each scenario runs with few connections (latency:
+# what the proxy adds to p50) and with many (throughput), in interleaved rounds, so every store
+# is compared with the same direct figures. Prints a Markdown table and the ratios (also written
+# to $OUT, default target/bench-proxy.md).
 #
-# Usage: scripts/bench-proxy.sh [STORE]      (STORE: memory: by default; e.g. embedded:DIR,
-#                                             redis://127.0.0.1:6379)
+# Usage: scripts/bench-proxy.sh [STORE...]   (default: memory: embedded:; embedded: alone means
+#                                             a temporary directory; e.g. redis://127.0.0.1:6379)
 # Env: DURATION (default 5s), ROUNDS (3), LAT_CONNS (4), TPUT_CONNS (64), THREADS (2), SKIP_BUILD=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STORE="${1:-memory:}"
+if [ "$#" -eq 0 ]; then set -- memory: embedded:; fi
+STORES=("$@")
 DURATION="${DURATION:-5s}"
 ROUNDS="${ROUNDS:-3}"
 LAT_CONNS="${LAT_CONNS:-4}"
@@ -22,7 +24,7 @@ TPUT_CONNS="${TPUT_CONNS:-64}"
 THREADS="${THREADS:-2}"
 OUT="${OUT:-target/bench-proxy.md}"
 UP_PORT="${UP_PORT:-38080}"
-PX_PORT="${PX_PORT:-38081}"
+PX_PORT="${PX_PORT:-38081}" # the first store's proxy; the next ones count up
 
 command -v wrk >/dev/null || { echo "wrk is missing: apt-get install -y wrk" >&2; exit 1; }
 
@@ -53,13 +55,17 @@ wait_port() {
 "$API" "127.0.0.1:$UP_PORT" 2>"$WORK/api.log" &
 PIDS+=($!)
 wait_port "$UP_PORT"
-case "$STORE" in
-  embedded:) STORE="embedded:$WORK/data" ;;
-esac
-RUST_LOG=warn "$BIN" proxy --upstream "http://127.0.0.1:$UP_PORT" --listen "127.0.0.1:$PX_PORT" \
-  --store "$STORE" --namespace "bench-$$-$RANDOM" 2>"$WORK/proxy.log" &
-PIDS+=($!)
-wait_port "$PX_PORT"
+for i in "${!STORES[@]}"; do
+  spec="${STORES[$i]}"
+  case "$spec" in
+    embedded:) spec="embedded:$WORK/data-$i" ;;
+  esac
+  RUST_LOG=warn "$BIN" proxy --upstream "http://127.0.0.1:$UP_PORT" \
+    --listen "127.0.0.1:$((PX_PORT + i))" --store "$spec" --namespace "bench-$$-$RANDOM" \
+    2>"$WORK/proxy-$i.log" &
+  PIDS+=($!)
+  wait_port "$((PX_PORT + i))"
+done
 
 BODY='{"amount":1000,"currency":"eur","customer":"cus_42","description":"benchmark order"}'
 cat >"$WORK/post.lua" <<EOF
@@ -114,9 +120,12 @@ to_ms() {
 }
 
 UP="http://127.0.0.1:$UP_PORT/v1/charges"
-PX="http://127.0.0.1:$PX_PORT/v1/charges"
-# Store the replayed response once.
-curl -s -o /dev/null -X POST "$PX" -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay' --data "$BODY"
+px() { echo "http://127.0.0.1:$((PX_PORT + $1))/v1/charges"; }
+# Store the replayed response once per proxy.
+for i in "${!STORES[@]}"; do
+  curl -s -o /dev/null -X POST "$(px "$i")" -H 'Content-Type: application/json' \
+    -H 'Idempotency-Key: bench-replay' --data "$BODY"
+done
 
 # Interleaved rounds, so background load on a shared machine hits every scenario alike; the
 # table shows each figure's median over the rounds.
@@ -124,30 +133,49 @@ median() { sort -n | awk '{v[NR]=$1} END{ if (NR==0) print "-"; else print v[int
 for conns in "$LAT_CONNS" "$TPUT_CONNS"; do
   for round in $(seq 1 "$ROUNDS"); do
     run "$conns" -s "$WORK/post.lua" "$UP" >>"$WORK/direct-$conns"
-    run "$conns" -s "$WORK/unique.lua" "$PX" -- "c$conns-r$round-$$-$RANDOM" >>"$WORK/first-$conns"
-    run "$conns" -s "$WORK/post.lua" -H 'Idempotency-Key: bench-replay' "$PX" >>"$WORK/replay-$conns"
+    for i in "${!STORES[@]}"; do
+      run "$conns" -s "$WORK/unique.lua" "$(px "$i")" -- "c$conns-r$round-$$-$RANDOM" \
+        >>"$WORK/first-$i-$conns"
+      run "$conns" -s "$WORK/post.lua" -H 'Idempotency-Key: bench-replay' "$(px "$i")" \
+        >>"$WORK/replay-$i-$conns"
+    done
   done
 done
 
+col() { awk -v c="$1" '{print $c}' "$2" | median; }
 {
-  echo "store: \`$STORE\`; wrk -t$THREADS -d$DURATION, median of $ROUNDS interleaved rounds; $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); $(date -u +%Y-%m-%dT%H:%MZ)"
+  rev="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  dirty="$(git status --porcelain -- crates scripts 2>/dev/null | grep -c . || true)"
+  echo "stores: $(printf '`%s` ' "${STORES[@]}"); wrk -t$THREADS -d$DURATION, median of $ROUNDS interleaved rounds; $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); commit $rev$([ "${dirty:-0}" != 0 ] && echo " (+ uncommitted changes)"); $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
-  echo "| connections | scenario | p50 ms | p99 ms | requests/s | non-2xx (all rounds) |"
-  echo "|---:|---|---:|---:|---:|---:|"
+  echo "| connections | scenario | store | p50 ms | p99 ms | requests/s | non-2xx (all rounds) |"
+  echo "|---:|---|---|---:|---:|---:|---:|"
+  row() { # conns name store file
+    echo "| $1 | $2 | $3 | $(col 1 "$4") | $(col 2 "$4") | $(col 3 "$4") | $(awk '{s+=$4} END{print s+0}' "$4") |"
+  }
   for conns in "$LAT_CONNS" "$TPUT_CONNS"; do
-    for sc in direct first replay; do
-      f="$WORK/$sc-$conns"
-      case "$sc" in
-        direct) name="direct to upstream" ;;
-        first) name="proxy, first requests" ;;
-        replay) name="proxy, replays" ;;
-      esac
-      p50="$(awk '{print $1}' "$f" | median)"
-      p99="$(awk '{print $2}' "$f" | median)"
-      rps="$(awk '{print $3}' "$f" | median)"
-      non="$(awk '{s+=$4} END{print s+0}' "$f")"
-      echo "| $conns | $name | $p50 | $p99 | $rps | $non |"
+    row "$conns" "direct to upstream" "-" "$WORK/direct-$conns"
+    for i in "${!STORES[@]}"; do
+      row "$conns" "proxy, first requests" "\`${STORES[$i]}\`" "$WORK/first-$i-$conns"
+      row "$conns" "proxy, replays" "\`${STORES[$i]}\`" "$WORK/replay-$i-$conns"
     done
   done
+  echo
+  d50="$(col 1 "$WORK/direct-$LAT_CONNS")"
+  drps="$(col 3 "$WORK/direct-$TPUT_CONNS")"
+  for i in "${!STORES[@]}"; do
+    f50="$(col 1 "$WORK/first-$i-$LAT_CONNS")"
+    r50="$(col 1 "$WORK/replay-$i-$LAT_CONNS")"
+    rrps="$(col 3 "$WORK/replay-$i-$TPUT_CONNS")"
+    awk -v s="${STORES[$i]}" -v c="$LAT_CONNS" -v t="$TPUT_CONNS" -v d="$d50" -v f="$f50" \
+        -v r="$r50" -v drps="$drps" -v rrps="$rrps" 'BEGIN{
+      printf "- `%s`: first requests add %.3f ms to p50 at %d connections (target < 1 ms: %s); ", s, f-d, c, (f-d < 1 ? "met" : "missed")
+      printf "replays p50 %.2fx the direct p50 at %d connections (target <= 1: %s), ", r/d, c, (r <= d ? "met" : "missed")
+      printf "%.2fx the direct requests/s at %d connections\n", rrps/drps, t }'
+  done
 } | tee "$OUT"
-grep -c . "$WORK/proxy.log" >/dev/null && { echo; echo "proxy log (last lines):"; tail -n 5 "$WORK/proxy.log"; } || true
+for i in "${!STORES[@]}"; do
+  if [ -s "$WORK/proxy-$i.log" ]; then
+    echo; echo "proxy log of ${STORES[$i]} (last lines):"; tail -n 5 "$WORK/proxy-$i.log"
+  fi
+done

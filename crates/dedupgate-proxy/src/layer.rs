@@ -12,7 +12,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, State, Store, Token};
@@ -349,9 +349,11 @@ where
             fingerprint: Some(fp.clone()),
             owner: None,
         };
+        let claim_started = Instant::now();
         let record = match shared.store.apply(id.clone(), op).await {
             Ok(Outcome::Claimed(Claim::New(lease))) => {
-                return execute(&shared, inner, &id, lease.token, req).await
+                let claimed = claim_started.elapsed();
+                return execute(&shared, inner, &id, lease.token, req, claimed).await;
             }
             Ok(Outcome::Claimed(Claim::Duplicate { record })) => record,
             Ok(other) => {
@@ -368,7 +370,13 @@ where
             Err(e) => return Ok(gate_error(&e)),
         };
         match record.state {
-            State::Completed => return Ok(replay(&shared, &id, record.result.as_ref())),
+            State::Completed => {
+                tracing::debug!(
+                    claim_us = micros(claim_started.elapsed()),
+                    "replayed a stored response"
+                );
+                return Ok(replay(&shared, &id, record.result.as_ref()));
+            }
             State::InProgress => {
                 let now = tokio::time::Instant::now();
                 match deadline {
@@ -439,12 +447,20 @@ fn releases(status: StatusCode) -> bool {
         || status == StatusCode::TOO_MANY_REQUESTS
 }
 
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Runs a claimed request and stores (or releases) its outcome. At debug level it logs where
+/// the time went: the durable claim, the upstream, and storing the response, which is how the
+/// proxy's cost on a durable store was attributed (docs/benchmarks-proxy.md).
 async fn execute<S, B, RB>(
     shared: &Shared,
     mut inner: S,
     id: &RecordId,
     token: Token,
     req: Request<B>,
+    claimed: Duration,
 ) -> Result<Response<RB>, S::Error>
 where
     S: Service<Request<B>, Response = Response<RB>>,
@@ -496,17 +512,32 @@ where
         h.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         Attempt::Done { stored, first }
     };
-    match with_lease(shared, id, &token, work).await {
+    let upstream_started = Instant::now();
+    let attempt = with_lease(shared, id, &token, work).await;
+    let upstream = upstream_started.elapsed();
+    let store_started = Instant::now();
+    let timings = |what: &str| {
+        tracing::debug!(
+            claim_us = micros(claimed),
+            upstream_us = micros(upstream),
+            store_us = micros(store_started.elapsed()),
+            "{what}"
+        );
+    };
+    match attempt {
         Attempt::Failed(e) => {
             release(shared, id, token).await;
+            timings("upstream failed; claim released");
             Err(e)
         }
         Attempt::Release(res) => {
             release(shared, id, token).await;
+            timings("response not kept; claim released");
             Ok(res)
         }
         Attempt::BodyFailed(e) => {
             release(shared, id, token).await;
+            timings("response body broke off; claim released");
             Ok(problem(
                 StatusCode::BAD_GATEWAY,
                 "bad_gateway",
@@ -516,6 +547,7 @@ where
         Attempt::Done { stored, first } => {
             let result = stored.to_result(config.sealer.as_ref(), &aad(id));
             complete(shared, id, token, result).await;
+            timings("response stored");
             Ok(first)
         }
     }
