@@ -508,6 +508,11 @@ fn is_noscript(e: &redis::RedisError) -> bool {
 fn server_error(e: redis::ServerError) -> StoreError {
     if e.code() == "DGCORRUPT" {
         StoreError::Corrupt(e.details().unwrap_or("record cannot be read").to_owned())
+    } else if e.details().is_some_and(|d| d.starts_with("syntax error")) {
+        // Before 7.0, Redis refuses `SET … NX GET`, which the script uses for every claim.
+        StoreError::Unavailable(format!(
+            "redis refused: {e} (the Redis store needs Redis 7.0 or later)"
+        ))
     } else {
         StoreError::Unavailable(format!("redis refused: {e}"))
     }
