@@ -127,6 +127,26 @@ for i in "${!STORES[@]}"; do
     -H 'Idempotency-Key: bench-replay' --data "$BODY"
 done
 
+# A durable first request waits for two commits, each one fdatasync of the store's journal: the
+# disk's sync latency (where the embedded store's data lives) bounds that figure, and on a shared
+# machine it moves with other people's I/O, so it is measured before and after the rounds.
+fsync_probe() {
+  command -v python3 >/dev/null || { echo "?"; return; }
+  python3 - "$WORK/fsync-probe" <<'PY'
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o644)
+ts = []
+for i in range(200):
+    os.pwrite(fd, b"x" * 512, (i % 8) * 4096)
+    t = time.perf_counter()
+    os.fdatasync(fd)
+    ts.append(time.perf_counter() - t)
+ts.sort()
+print("%.3f" % (ts[len(ts) // 2] * 1000))
+PY
+}
+SYNC_BEFORE="$(fsync_probe)"
+
 # Interleaved rounds, so background load on a shared machine hits every scenario alike; the
 # table shows each figure's median over the rounds.
 median() { sort -n | awk '{v[NR]=$1} END{ if (NR==0) print "-"; else print v[int((NR+1)/2)] }'; }
@@ -142,11 +162,14 @@ for conns in "$LAT_CONNS" "$TPUT_CONNS"; do
   done
 done
 
+SYNC_AFTER="$(fsync_probe)"
 col() { awk -v c="$1" '{print $c}' "$2" | median; }
 {
   rev="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   dirty="$(git status --porcelain -- crates scripts 2>/dev/null | grep -c . || true)"
   echo "stores: $(printf '`%s` ' "${STORES[@]}"); wrk -t$THREADS -d$DURATION, median of $ROUNDS interleaved rounds; $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); commit $rev$([ "${dirty:-0}" != 0 ] && echo " (+ uncommitted changes)"); $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo "fdatasync p50 of a 512-byte write on this disk: $SYNC_BEFORE ms before the rounds, $SYNC_AFTER ms after."
   echo
   echo "| connections | scenario | store | p50 ms | p99 ms | requests/s | non-2xx (all rounds) |"
   echo "|---:|---|---|---:|---:|---:|---:|"
