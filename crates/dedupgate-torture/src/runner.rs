@@ -177,6 +177,9 @@ pub struct FaultCounts {
     pub worker_spawns: u64,
     /// Worker processes that finished their deliveries.
     pub worker_exits: u64,
+    /// Gate (proxy) starts that failed and were tried again: a proxy restarted under TCP faults
+    /// may fail to open its store and exit.
+    pub gate_start_retries: u64,
     /// Takeovers of a paused holder's event started while it was stopped.
     pub takeovers: u64,
 }
@@ -425,6 +428,40 @@ fn spawn_proxy(cfg: &RunConfig, upstream: &str, listen: &str, n: u64) -> Result<
         .stdout(log.try_clone()?)
         .stderr(log)
         .spawn()?)
+}
+
+/// Starts the proxy and waits until it listens. A proxy that cannot open its store exits (its
+/// store open can fail under the TCP faults); it is started again, as a supervisor would, and
+/// each such start is counted.
+async fn start_proxy(
+    cfg: &RunConfig,
+    upstream: &str,
+    listen: &str,
+    n: u64,
+    retries: &mut u64,
+) -> Result<Child, RunError> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut attempt = 0;
+    loop {
+        let mut child = spawn_proxy(cfg, upstream, listen, n * 100 + attempt)?;
+        loop {
+            if tokio::net::TcpStream::connect(listen).await.is_ok() {
+                return Ok(child);
+            }
+            if child.try_wait()?.is_some() || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        if Instant::now() > deadline {
+            return Err(RunError::GateDown(listen.to_owned()));
+        }
+        *retries += 1;
+        attempt += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn wait_listening(listen: &str) -> Result<(), RunError> {
@@ -710,8 +747,14 @@ pub async fn run(mut cfg: RunConfig) -> Result<RunReport, RunError> {
             faults.gate_sigkills += 1;
             gate_n += 1;
             if cfg.face == Face::Proxy {
-                g.child = spawn_proxy(&cfg, &upstream_url, &g.listen, gate_n)?;
-                wait_listening(&g.listen).await?;
+                g.child = start_proxy(
+                    &cfg,
+                    &upstream_url,
+                    &g.listen,
+                    gate_n,
+                    &mut faults.gate_start_retries,
+                )
+                .await?;
             } else {
                 g.child = spawn_gate(&cfg, &g.listen, gate_n)?;
                 wait_healthy(&worker_store).await?;

@@ -542,6 +542,7 @@ fn summarize(text: &str) -> String {
                     ("proxy_in_flight", n("/report/faults/proxy/in_flight")),
                     ("proxy_5xx", n("/report/faults/proxy/server_errors")),
                     ("proxy_unknown", n("/report/faults/proxy/unknown")),
+                    ("gate_start_retries", n("/report/faults/gate_start_retries")),
                     ("tcp_connections", n("/report/faults/tcp/connections")),
                     ("tcp_delays", n("/report/faults/tcp/delays")),
                     ("tcp_cuts", n("/report/faults/tcp/cuts")),
