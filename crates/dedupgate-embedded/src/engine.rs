@@ -81,6 +81,14 @@ pub trait Engine: Send + 'static {
     fn close(&mut self) -> Result<(), EngineError> {
         Ok(())
     }
+    /// Called after the reopen that follows a failed write or sync, before anything is answered:
+    /// makes what the engine recovered durable in files written after the failure. Linux may
+    /// drop the pages an fsync failed to write while reporting later fsyncs as successful
+    /// ("fsyncgate"), so a journal appended to after the failure can hold a hole that ends its
+    /// replay early and takes later acknowledged commits with it.
+    fn checkpoint_after_failure(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
 }
 
 /// Opens (or reopens after a failure) an engine. Called on the writer thread.
@@ -160,6 +168,27 @@ impl FjallEngine {
         })
     }
 }
+
+/// Meta key counting checkpoints after failures (see `checkpoint_after_failure`).
+const META_CHECKPOINTS: &str = "checkpoints_after_failure";
+
+/// Fsyncs `dir` and every directory under it, so every entry in them is durable.
+fn sync_dirs(dir: &Path) -> Result<(), EngineError> {
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                stack.push(e.path());
+            }
+        }
+        std::fs::File::open(&d)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Longest a checkpoint after a failure waits for fjall to flush; the writer retries after it.
+const CHECKPOINT_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Longest a clean close waits for fjall to flush its memtables.
 const CLOSE_FLUSH_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
@@ -273,6 +302,47 @@ impl Engine for FjallEngine {
 
     fn describe(&self) -> String {
         format!("fjall {}", self.path.display())
+    }
+
+    /// Seals every memtable (a new journal takes the next writes), waits until they are flushed
+    /// into sorted segments and the journals written before are released, then syncs. Found by
+    /// dedupgate-torture's `failed-io --then-power-loss`: without it, 629 acknowledged keys of
+    /// one run were gone after a power loss that dropped what a failed fsync had not written.
+    fn checkpoint_after_failure(&mut self) -> Result<(), EngineError> {
+        use lsm_tree::AbstractTree;
+        // One write, so there is a memtable to seal even when everything was flushed: sealing
+        // it starts a new journal, and nothing written to the old one (its header included)
+        // is relied upon any more.
+        let n = match self.meta.get(META_CHECKPOINTS)? {
+            Some(v) => v.as_ref().try_into().map(u64::from_le_bytes).unwrap_or(0),
+            None => 0,
+        };
+        self.meta.insert(META_CHECKPOINTS, (n + 1).to_le_bytes())?;
+        let partitions = [&self.entries, &self.expiry, &self.meta];
+        for partition in partitions {
+            partition.rotate_memtable()?;
+        }
+        let deadline = std::time::Instant::now() + CHECKPOINT_WAIT_MAX;
+        while !(partitions
+            .iter()
+            .all(|p| p.tree.sealed_memtable_count() == 0)
+            && self.keyspace.journal_count() <= 1)
+        {
+            if std::time::Instant::now() >= deadline {
+                return Err(EngineError::Other(format!(
+                    "the journals written before the failure were not flushed within {CHECKPOINT_WAIT_MAX:?}"
+                )));
+            }
+            // A failed flush poisons the keyspace (and stops its flusher): give up at once.
+            self.keyspace.persist(fjall::PersistMode::Buffer)?;
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        self.keyspace.persist(fjall::PersistMode::SyncAll)?;
+        // A directory fsync that failed before is not retried by fjall: the active journal
+        // (created then) would have no durable entry, and a power loss would take it and every
+        // commit in it. Sync every directory of the keyspace once more.
+        sync_dirs(&self.path)?;
+        Ok(())
     }
 
     fn durable_view(&self) -> Option<std::sync::Arc<dyn DurableView>> {

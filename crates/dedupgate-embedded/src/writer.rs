@@ -434,7 +434,11 @@ impl Writer {
         let mut backoff_ms = 20;
         loop {
             let reopened = (self.opener)().and_then(|mut e| match check_format(e.as_mut())? {
-                Ok(_) => Ok(e),
+                Ok(_) => {
+                    // Nothing rests on the journal written before the failure (fsyncgate).
+                    e.checkpoint_after_failure()?;
+                    Ok(e)
+                }
                 Err(problem) => Err(EngineError::Other(problem.to_string())),
             });
             match reopened {
