@@ -79,8 +79,8 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
   [ -d "$out/px-emb-$n/run" ] || rm -rf "$out/px-emb-$n"
   run "dedupgate proxy over redis, TCP faults #$n" run --store "$redis" --face proxy \
     --cycles "$cycles" --kill-gate-pct 25 --tcp-faults --tcp-cut-all-pct 20 --dir "$out/px-redis-$n" --clean
-  run "failed writes and fsyncs, embedded over http #$n" storage-faults --kind failed-io \
-    --episodes 20 --dir "$out/fiu-$n" --clean
+  run "failed writes and fsyncs, then a power loss, embedded over http #$n" storage-faults \
+    --kind failed-io --then-power-loss --episodes 20 --dir "$out/fiu-$n" --clean
   run "power loss, embedded over http #$n" storage-faults --kind power-loss --episodes 20 \
     --dir "$out/loss-$n" --clean
   run "clock jumps, redis over http #$n" clock-jumps --store "$redis" --jumps 40 \

@@ -224,7 +224,13 @@ pub fn summarize(text: &str) -> String {
         };
         let (row, faults): (String, Vec<(&str, u64)>) = match kind {
             "failed_io" => (
-                "failed I/O, embedded over http".into(),
+                if v.pointer("/report/config/power_loss_at_end")
+                    == Some(&serde_json::Value::Bool(true))
+                {
+                    "failed I/O then power loss, embedded over http".into()
+                } else {
+                    "failed I/O, embedded over http".into()
+                },
                 vec![
                     ("phases", n("/report/faults/phases")),
                     ("injected", n("/report/faults/injected_total")),
@@ -234,6 +240,11 @@ pub fn summarize(text: &str) -> String {
                     (
                         "recovered_without_restart",
                         n("/report/faults/recovered_without_restart"),
+                    ),
+                    ("recovery_ms_max_sum", n("/report/faults/recovery_ms_max")),
+                    (
+                        "final_loss_bytes_poisoned",
+                        n("/report/faults/final_power_loss/bytes_poisoned"),
                     ),
                 ],
             ),
