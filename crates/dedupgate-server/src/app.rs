@@ -4,15 +4,16 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, MatchedPath, Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
+use std::future::Future;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, MethodRouter};
 use axum::Router;
 use dedupgate_core::{GateError, Outcome, Store};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
@@ -130,6 +131,20 @@ impl AppState {
             .map(HeaderValue::as_bytes)
     }
 
+    /// Reads a request body, refusing it with 413 once it passes the configured limit.
+    async fn read_body(&self, body: Body) -> Result<Bytes, Problem> {
+        let limit = self.config.limits.body_bytes_max;
+        match Limited::new(body, limit).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) if e.is::<LengthLimitError>() => Err(Problem::too_large(format!(
+                "the request body is larger than {limit} bytes"
+            ))),
+            Err(e) => Err(Problem::invalid(format!(
+                "could not read the request body: {e}"
+            ))),
+        }
+    }
+
     /// Calls the store for one op, timing it and counting the decision.
     async fn decide(&self, parsed: Parsed) -> Result<Outcome, Problem> {
         let label = self.metrics.namespace_label(parsed.id.namespace.as_str());
@@ -148,15 +163,11 @@ impl AppState {
         Problem::from_gate(err)
     }
 
-    async fn single(
-        &self,
-        kind: OpKind,
-        headers: &HeaderMap,
-        body: Result<Bytes, BytesRejection>,
-    ) -> Response {
+    async fn single(&self, kind: OpKind, request: Request) -> Response {
         let answer = async {
-            let principal = self.auth.authenticate(self.authorization(headers))?;
-            let body = body.map_err(body_problem)?;
+            let (parts, body) = request.into_parts();
+            let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
+            let body = self.read_body(body).await?;
             let parsed = wire::parse_body(kind, &body, &self.config.defaults, &self.config.limits)?;
             principal.allows(parsed.id.namespace.as_str(), kind.admin())?;
             let outcome = self.decide(parsed).await?;
@@ -171,15 +182,12 @@ impl AppState {
         }
     }
 
-    async fn record(
-        &self,
-        kind: OpKind,
-        headers: &HeaderMap,
-        query: Result<Query<RecordReq>, QueryRejection>,
-    ) -> Response {
+    async fn record(&self, kind: OpKind, request: Request) -> Response {
+        // Only the head is used; the body (not Sync) must not live across the store call.
+        let (parts, _) = request.into_parts();
         let answer = async {
-            let principal = self.auth.authenticate(self.authorization(headers))?;
-            let Query(q) = query.map_err(|e| {
+            let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
+            let Query(q) = Query::<RecordReq>::try_from_uri(&parts.uri).map_err(|e| {
                 Problem::invalid(format!("query must carry namespace and key: {e}"))
             })?;
             let id = wire::record_id(q.namespace, q.key, &self.config.limits)?;
@@ -200,25 +208,22 @@ impl AppState {
         }
     }
 
-    async fn batch(&self, headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-        match self.batch_inner(headers, body).await {
+    async fn batch(&self, request: Request) -> Response {
+        match self.batch_inner(request).await {
             Ok(out) => json(StatusCode::OK, out),
             Err(problem) => problem.into_response(),
         }
     }
 
-    async fn batch_inner(
-        &self,
-        headers: &HeaderMap,
-        body: Result<Bytes, BytesRejection>,
-    ) -> Result<Vec<u8>, Problem> {
+    async fn batch_inner(&self, request: Request) -> Result<Vec<u8>, Problem> {
         #[derive(Deserialize)]
         struct BatchReq<'a> {
             #[serde(borrow)]
-            ops: Vec<&'a serde_json::value::RawValue>,
+            ops: Vec<wire::BatchItem<'a>>,
         }
-        let principal = self.auth.authenticate(self.authorization(headers))?;
-        let body = body.map_err(body_problem)?;
+        let (parts, body) = request.into_parts();
+        let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
+        let body = self.read_body(body).await?;
         let BatchReq { ops } = serde_json::from_slice(&body)
             .map_err(|e| Problem::invalid(format!("the body must be {{\"ops\":[…]}}: {e}")))?;
         let max = self.config.limits.batch_ops_max;
@@ -232,8 +237,8 @@ impl AppState {
         let mut slots: Vec<Result<(), Problem>> = Vec::with_capacity(ops.len());
         let mut labels = Vec::with_capacity(ops.len());
         let mut store_ops = Vec::with_capacity(ops.len());
-        for item in ops {
-            let parsed = wire::parse_item(item, &self.config.defaults, &self.config.limits)
+        for item in &ops {
+            let parsed = wire::parse_batch_item(item, &self.config.defaults, &self.config.limits)
                 .and_then(|p| {
                     principal.allows(p.id.namespace.as_str(), p.kind.admin())?;
                     Ok(p)
@@ -324,29 +329,17 @@ fn json(status: StatusCode, body: Vec<u8>) -> Response {
     response
 }
 
-fn body_problem(rejection: BytesRejection) -> Problem {
-    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        Problem::too_large(rejection.body_text())
-    } else {
-        Problem::invalid(rejection.body_text())
-    }
-}
-
 type S = Arc<AppState>;
 
-fn post_op(kind: OpKind) -> MethodRouter<S> {
-    post(
-        move |State(app): State<S>, headers: HeaderMap, body: Result<Bytes, BytesRejection>| async move {
-            app.single(kind, &headers, body).await
-        },
-    )
+fn post_op(kind: OpKind, route: &'static str) -> MethodRouter<S> {
+    post(move |State(app): State<S>, request: Request| async move {
+        app.guarded(route, app.single(kind, request)).await
+    })
 }
 
-fn record_route(kind: OpKind) -> MethodRouter<S> {
-    let handler = move |State(app): State<S>,
-                        headers: HeaderMap,
-                        query: Result<Query<RecordReq>, QueryRejection>| async move {
-        app.record(kind, &headers, query).await
+fn record_route(kind: OpKind, route: &'static str) -> MethodRouter<S> {
+    let handler = move |State(app): State<S>, request: Request| async move {
+        app.guarded(route, app.record(kind, request)).await
     };
     if kind == OpKind::Forget {
         delete(handler)
@@ -356,30 +349,91 @@ fn record_route(kind: OpKind) -> MethodRouter<S> {
 }
 
 fn method_router(route: &Route) -> MethodRouter<S> {
-    match (route.method, route.path) {
-        ("POST", "/v1/claim") => post_op(OpKind::Claim),
-        ("POST", "/v1/complete") => post_op(OpKind::Complete),
-        ("POST", "/v1/release") => post_op(OpKind::Release),
-        ("POST", "/v1/extend") => post_op(OpKind::Extend),
-        ("POST", "/v1/mark") => post_op(OpKind::Mark),
-        ("GET", "/v1/record") => record_route(OpKind::Get),
-        ("DELETE", "/v1/record") => record_route(OpKind::Forget),
-        ("POST", "/v1/batch") => post(
-            |State(app): State<S>, headers: HeaderMap, body: Result<Bytes, BytesRejection>| async move {
-                app.batch(&headers, body).await
-            },
-        ),
-        ("GET", "/healthz") => get(|State(app): State<S>| async move { app.health().await }),
-        ("GET", "/metrics") => get(|State(app): State<S>| async move { app.metrics_text().await }),
+    let path = route.path;
+    match (route.method, path) {
+        ("POST", "/v1/claim") => post_op(OpKind::Claim, path),
+        ("POST", "/v1/complete") => post_op(OpKind::Complete, path),
+        ("POST", "/v1/release") => post_op(OpKind::Release, path),
+        ("POST", "/v1/extend") => post_op(OpKind::Extend, path),
+        ("POST", "/v1/mark") => post_op(OpKind::Mark, path),
+        ("GET", "/v1/record") => record_route(OpKind::Get, path),
+        ("DELETE", "/v1/record") => record_route(OpKind::Forget, path),
+        ("POST", "/v1/batch") => post(move |State(app): State<S>, request: Request| async move {
+            app.guarded(path, app.batch(request)).await
+        }),
+        ("GET", "/healthz") => {
+            get(move |State(app): State<S>| async move { app.guarded(path, app.health()).await })
+        }
+        ("GET", "/metrics") => {
+            get(
+                move |State(app): State<S>| async move { app.guarded(path, app.metrics_text()).await },
+            )
+        }
         (method, path) => unreachable!("ROUTES lists {method} {path} without a handler"),
     }
 }
 
-/// The route label of a request: its ROUTES path, or `other` (bounded: never the raw path).
-fn route_label(matched: Option<&MatchedPath>) -> &'static str {
-    matched
-        .and_then(|m| ROUTES.iter().find(|r| r.path == m.as_str()))
+/// The route label of a request path: its ROUTES path, or `other` (bounded: never the raw path).
+fn route_label(uri: &Uri) -> &'static str {
+    ROUTES
+        .iter()
+        .find(|r| r.path == uri.path())
         .map_or("other", |r| r.path)
+}
+
+impl AppState {
+    /// What every request goes through, around its handler (which also reads the body): the
+    /// in-flight cap (503 with Retry-After beyond it), the request timeout, the in-flight gauge,
+    /// the latency histogram and the error counter. Called by each handler rather than as a
+    /// middleware layer, which would box and clone the route's service on every request.
+    async fn guarded(
+        &self,
+        route: &'static str,
+        handler: impl Future<Output = Response>,
+    ) -> Response {
+        let started = Instant::now();
+        // Monitoring stays answerable under overload; everything else takes a permit or gets 503.
+        let monitoring = matches!(route, "/healthz" | "/metrics");
+        let permit = if monitoring {
+            None
+        } else {
+            match self.in_flight.try_acquire() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    self.metrics.error("unavailable");
+                    return Problem::unavailable(format!(
+                        "more than {} requests in flight; retry later",
+                        self.config.limits.in_flight_max
+                    ))
+                    .into_response();
+                }
+            }
+        };
+        // Scrapes are not counted, so the gauge shows the load, not the act of watching it.
+        let _in_flight = (!monitoring).then(|| {
+            self.metrics.in_flight().inc();
+            InFlight(&self.metrics)
+        });
+        let timeout_ms = self.config.limits.request_timeout_ms;
+        let response = match tokio::time::timeout(Duration::from_millis(timeout_ms), handler).await
+        {
+            Ok(response) => response,
+            Err(_) => {
+                tracing::warn!(route, timeout_ms, "request timed out");
+                Problem::unavailable(format!(
+                    "no answer within {timeout_ms} ms; the operation may or may not have been \
+                     applied (a retried claim with the same owner gets its claim back)"
+                ))
+                .into_response()
+            }
+        };
+        drop(permit);
+        self.metrics.request(route, started.elapsed());
+        if let Some(ProblemCode(code)) = response.extensions().get::<ProblemCode>() {
+            self.metrics.error(code);
+        }
+        response
+    }
 }
 
 /// Keeps the in-flight gauge right even when a request's future is dropped (client went away).
@@ -391,65 +445,25 @@ impl Drop for InFlight<'_> {
     }
 }
 
-async fn guard(State(app): State<S>, request: Request, next: Next) -> Response {
-    let route = route_label(request.extensions().get::<MatchedPath>());
-    let started = Instant::now();
-    // Monitoring stays answerable under overload; everything else takes a permit or gets 503.
-    let monitoring = matches!(route, "/healthz" | "/metrics");
-    let permit = if monitoring {
-        None
-    } else {
-        match app.in_flight.clone().try_acquire_owned() {
-            Ok(permit) => Some(permit),
-            Err(_) => {
-                app.metrics.error("unavailable");
-                return Problem::unavailable(format!(
-                    "more than {} requests in flight; retry later",
-                    app.config.limits.in_flight_max
-                ))
-                .into_response();
-            }
-        }
-    };
-    // Scrapes are not counted, so the gauge shows the load, not the act of watching it.
-    let _in_flight = (!monitoring).then(|| {
-        app.metrics.in_flight().inc();
-        InFlight(&app.metrics)
-    });
-    let timeout_ms = app.config.limits.request_timeout_ms;
-    let response =
-        match tokio::time::timeout(Duration::from_millis(timeout_ms), next.run(request)).await {
-            Ok(response) => response,
-            Err(_) => {
-                tracing::warn!(route, timeout_ms, "request timed out");
-                Problem::unavailable(format!(
-                "no answer within {timeout_ms} ms; the operation may or may not have been applied \
-                 (a retried claim with the same owner gets its claim back)"
-            ))
-                .into_response()
-            }
-        };
-    drop(permit);
-    app.metrics.request(route, started.elapsed());
-    if let Some(ProblemCode(code)) = response.extensions().get::<ProblemCode>() {
-        app.metrics.error(code);
-    }
-    response
-}
-
 /// The HTTP API over `state`: every route of [`ROUTES`], problem JSON for unknown routes and
-/// methods, the body limit, and the guard layer.
+/// methods; each handler runs inside [`AppState::guarded`].
 pub fn router(state: Arc<AppState>) -> Router {
     let mut router: Router<S> = Router::new();
     for route in ROUTES {
         router = router.route(route.path, method_router(route));
     }
     router
-        .fallback(|| async { Problem::not_found("no such route") })
-        .method_not_allowed_fallback(|| async {
-            Problem::method_not_allowed("this route does not take that method")
+        .fallback(|State(app): State<S>| async move {
+            app.guarded("other", async {
+                Problem::not_found("no such route").into_response()
+            })
+            .await
         })
-        .layer(middleware::from_fn_with_state(state.clone(), guard))
-        .layer(DefaultBodyLimit::max(state.config.limits.body_bytes_max))
+        .method_not_allowed_fallback(|State(app): State<S>, uri: Uri| async move {
+            app.guarded(route_label(&uri), async {
+                Problem::method_not_allowed("this route does not take that method").into_response()
+            })
+            .await
+        })
         .with_state(state)
 }

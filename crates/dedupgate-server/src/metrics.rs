@@ -3,7 +3,7 @@
 //! [`crate::ServerConfig::namespace_labels_max`] are counted as `other`; keys are never labels.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use dedupgate_core::{GateError, Outcome, StoreStats};
@@ -16,6 +16,79 @@ use prometheus_client::registry::Registry;
 
 /// The namespace label of namespaces that arrived after the label cap was reached.
 pub const OTHER_NAMESPACE: &str = "other";
+
+/// Every `outcome` label of the decisions counter.
+const OUTCOMES: [&str; 10] = [
+    "new",
+    "duplicate_completed",
+    "duplicate_in_progress",
+    "completed",
+    "released",
+    "extended",
+    "found",
+    "forgotten",
+    "lease_lost",
+    "fingerprint_mismatch",
+];
+
+/// Every `route` label of the request histogram (API routes, then `other`).
+const ROUTE_LABELS: [&str; 10] = [
+    "/v1/claim",
+    "/v1/complete",
+    "/v1/release",
+    "/v1/extend",
+    "/v1/mark",
+    "/v1/record",
+    "/v1/batch",
+    "/healthz",
+    "/metrics",
+    "other",
+];
+
+/// Every `op` label of the store histogram.
+const OP_LABELS: [&str; 8] = [
+    "claim", "complete", "release", "extend", "mark", "get", "forget", "batch",
+];
+
+/// Handles of a family's series, looked up once: a series is created on first use (as with
+/// `get_or_create`) and then reached without hashing its labels or taking the family's lock.
+struct Handles<M, const N: usize>([OnceLock<M>; N]);
+
+impl<M: Clone, const N: usize> Handles<M, N> {
+    fn new() -> Self {
+        Self(std::array::from_fn(|_| OnceLock::new()))
+    }
+
+    fn get(&self, i: usize, create: impl FnOnce() -> M) -> &M {
+        self.0[i].get_or_init(create)
+    }
+}
+
+/// The metrics of one namespace label: its decision counters by outcome.
+pub struct NamespaceLabel {
+    name: Arc<String>,
+    decisions: Handles<Counter, { OUTCOMES.len() }>,
+}
+
+impl NamespaceLabel {
+    fn new(name: Arc<String>) -> Arc<Self> {
+        Arc::new(Self {
+            name,
+            decisions: Handles::new(),
+        })
+    }
+
+    /// The label text.
+    pub fn as_str(&self) -> &str {
+        &self.name
+    }
+}
+
+impl std::fmt::Debug for NamespaceLabel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NamespaceLabel({:?})", self.name)
+    }
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DecisionLabels {
@@ -53,9 +126,11 @@ pub struct Metrics {
     in_flight: Gauge,
     records_held: Gauge,
     swept: Counter,
-    namespaces: RwLock<HashMap<String, Arc<String>>>,
+    route_handles: Handles<Histogram, { ROUTE_LABELS.len() }>,
+    op_handles: Handles<Histogram, { OP_LABELS.len() }>,
+    namespaces: RwLock<HashMap<String, Arc<NamespaceLabel>>>,
     namespace_labels_max: usize,
-    other: Arc<String>,
+    other: Arc<NamespaceLabel>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -121,15 +196,17 @@ impl Metrics {
             in_flight,
             records_held,
             swept,
+            route_handles: Handles::new(),
+            op_handles: Handles::new(),
             namespaces: RwLock::new(HashMap::new()),
             namespace_labels_max,
-            other: Arc::new(OTHER_NAMESPACE.to_owned()),
+            other: NamespaceLabel::new(Arc::new(OTHER_NAMESPACE.to_owned())),
         }
     }
 
     /// The label for `namespace`: itself while fewer than the cap have been seen, else `other`.
-    pub fn namespace_label(&self, namespace: &str) -> Arc<String> {
-        let known = |set: &HashMap<String, Arc<String>>| {
+    pub fn namespace_label(&self, namespace: &str) -> Arc<NamespaceLabel> {
+        let known = |set: &HashMap<String, Arc<NamespaceLabel>>| {
             set.get(namespace)
                 .cloned()
                 .or_else(|| (set.len() >= self.namespace_labels_max).then(|| self.other.clone()))
@@ -141,24 +218,30 @@ impl Metrics {
         if let Some(label) = known(&set) {
             return label;
         }
-        let label = Arc::new(namespace.to_owned());
+        let label = NamespaceLabel::new(Arc::new(namespace.to_owned()));
         set.insert(namespace.to_owned(), label.clone());
         label
     }
 
     /// Counts a decision (or a refusal the core decided: lease_lost, fingerprint_mismatch).
-    pub fn decision(&self, namespace: &Arc<String>, answer: &Result<Outcome, GateError>) {
+    pub fn decision(&self, namespace: &NamespaceLabel, answer: &Result<Outcome, GateError>) {
         let outcome = match answer {
             Ok(o) => o.label(),
             Err(e @ (GateError::LeaseLost | GateError::FingerprintMismatch)) => e.code(),
             Err(_) => return,
         };
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                namespace: namespace.clone(),
-                outcome,
-            })
-            .inc();
+        let create = || {
+            self.decisions
+                .get_or_create(&DecisionLabels {
+                    namespace: namespace.name.clone(),
+                    outcome,
+                })
+                .clone()
+        };
+        match OUTCOMES.iter().position(|o| *o == outcome) {
+            Some(i) => namespace.decisions.get(i, create).inc(),
+            None => create().inc(),
+        };
     }
 
     /// Counts an error answer.
@@ -168,16 +251,22 @@ impl Metrics {
 
     /// Records a request's latency.
     pub fn request(&self, route: &'static str, elapsed: Duration) {
-        self.requests
-            .get_or_create(&RouteLabels { route })
-            .observe(elapsed.as_secs_f64());
+        let create = || self.requests.get_or_create(&RouteLabels { route }).clone();
+        let seconds = elapsed.as_secs_f64();
+        match ROUTE_LABELS.iter().position(|r| *r == route) {
+            Some(i) => self.route_handles.get(i, create).observe(seconds),
+            None => create().observe(seconds),
+        }
     }
 
     /// Records a store call's latency.
     pub fn store_call(&self, op: &'static str, elapsed: Duration) {
-        self.store_calls
-            .get_or_create(&OpLabels { op })
-            .observe(elapsed.as_secs_f64());
+        let create = || self.store_calls.get_or_create(&OpLabels { op }).clone();
+        let seconds = elapsed.as_secs_f64();
+        match OP_LABELS.iter().position(|o| *o == op) {
+            Some(i) => self.op_handles.get(i, create).observe(seconds),
+            None => create().observe(seconds),
+        }
     }
 
     /// The in-flight gauge.
@@ -218,12 +307,24 @@ mod tests {
     #[test]
     fn namespace_labels_are_capped() {
         let m = Metrics::new(2);
-        assert_eq!(*m.namespace_label("a"), "a");
-        assert_eq!(*m.namespace_label("b"), "b");
-        assert_eq!(*m.namespace_label("c"), OTHER_NAMESPACE);
-        assert_eq!(*m.namespace_label("a"), "a");
+        assert_eq!(m.namespace_label("a").as_str(), "a");
+        assert_eq!(m.namespace_label("b").as_str(), "b");
+        assert_eq!(m.namespace_label("c").as_str(), OTHER_NAMESPACE);
+        assert_eq!(m.namespace_label("a").as_str(), "a");
         m.decision(&m.namespace_label("zzz"), &Err(GateError::LeaseLost));
+        m.decision(&m.namespace_label("a"), &Ok(Outcome::Released));
+        m.decision(&m.namespace_label("a"), &Ok(Outcome::Released));
+        m.request("/v1/claim", Duration::from_millis(1));
+        m.request("/v1/claim", Duration::from_millis(1));
         let text = m.render(None);
+        assert!(
+            text.contains(r#"dedupgate_decisions_total{namespace="a",outcome="released"} 2"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"dedupgate_request_duration_seconds_count{route="/v1/claim"} 2"#),
+            "{text}"
+        );
         assert!(
             text.contains(r#"dedupgate_decisions_total{namespace="other",outcome="lease_lost"} 1"#),
             "{text}"

@@ -6,7 +6,7 @@
 //! 413 `payload_too_large`. Every check happens before the store is called, so a refused request
 //! never changes anything.
 
-use dedupgate_core::{Defaults, Op, Outcome, RecordId, Token};
+use dedupgate_core::{Claim, Defaults, Lease, Op, Outcome, RecordId, Token};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -146,21 +146,172 @@ pub fn parse_body(
     Ok(parsed)
 }
 
-/// Parses one item of a batch: `{"op": NAME, …fields of NAME}`. Items stay raw text until here
-/// (no `Value` tree), so a 10,000-op batch is parsed in one pass per item plus a scan for `op`.
-pub fn parse_item(
-    item: &RawValue,
+/// One item of a batch as it arrives: the fields any op may take, each still raw JSON text,
+/// or why the item is refused before its fields are looked at. Read in the same pass as the
+/// `ops` array, so a batch is parsed once; a field is typed only when the item's op uses it
+/// (a field the op does not take is ignored, as in a single-op body).
+#[derive(Debug, Default)]
+pub struct BatchItem<'a> {
+    op: Option<&'a RawValue>,
+    namespace: Option<&'a RawValue>,
+    key: Option<&'a RawValue>,
+    token: Option<&'a RawValue>,
+    ttl_ms: Option<&'a RawValue>,
+    lease_ms: Option<&'a RawValue>,
+    fingerprint: Option<&'a RawValue>,
+    owner: Option<&'a RawValue>,
+    result: Option<&'a RawValue>,
+    refused: Option<&'static str>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for BatchItem<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        de.deserialize_any(ItemVisitor)
+    }
+}
+
+struct ItemVisitor;
+
+/// A field name of a batch item, read without allocating: the known name, or `None`.
+struct Field(Option<&'static str>);
+
+const ITEM_FIELDS: [&str; 9] = [
+    "op",
+    "namespace",
+    "key",
+    "token",
+    "ttl_ms",
+    "lease_ms",
+    "fingerprint",
+    "owner",
+    "result",
+];
+
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Field;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E>(self, name: &str) -> Result<Field, E> {
+                Ok(Field(ITEM_FIELDS.iter().copied().find(|f| *f == name)))
+            }
+        }
+        de.deserialize_identifier(V)
+    }
+}
+
+const NOT_AN_OBJECT: &str = "a batch op must be a JSON object with an `op` field";
+
+impl<'de> serde::de::Visitor<'de> for ItemVisitor {
+    type Value = BatchItem<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a batch op")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut item = BatchItem::default();
+        while let Some(Field(field)) = map.next_key::<Field>()? {
+            let slot = match field {
+                Some("op") => &mut item.op,
+                Some("namespace") => &mut item.namespace,
+                Some("key") => &mut item.key,
+                Some("token") => &mut item.token,
+                Some("ttl_ms") => &mut item.ttl_ms,
+                Some("lease_ms") => &mut item.lease_ms,
+                Some("fingerprint") => &mut item.fingerprint,
+                Some("owner") => &mut item.owner,
+                Some(_) => &mut item.result, // the last of ITEM_FIELDS
+                None => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    continue;
+                }
+            };
+            let value = map.next_value::<&'de RawValue>()?;
+            if slot.replace(value).is_some() {
+                item.refused
+                    .get_or_insert("a batch op names one of its fields twice");
+            }
+        }
+        Ok(item)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(BatchItem::refused())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(BatchItem::refused())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(BatchItem::refused())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(BatchItem::refused())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(BatchItem::refused())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(BatchItem::refused())
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(BatchItem::refused())
+    }
+}
+
+impl BatchItem<'_> {
+    fn refused() -> Self {
+        Self {
+            refused: Some(NOT_AN_OBJECT),
+            ..Self::default()
+        }
+    }
+}
+
+/// A field the op takes, typed from its raw text; `null` counts as absent.
+fn opt_field<'a, T: Deserialize<'a>>(
+    raw: Option<&'a RawValue>,
+    name: &str,
+) -> Result<Option<T>, Problem> {
+    match raw {
+        None => Ok(None),
+        Some(raw) => serde_json::from_str::<Option<T>>(raw.get())
+            .map_err(|e| Problem::invalid(format!("malformed request: {name}: {e}"))),
+    }
+}
+
+/// A field the op needs.
+fn req_field<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>, name: &str) -> Result<T, Problem> {
+    match raw {
+        None => Err(Problem::invalid(format!(
+            "malformed request: missing field `{name}`"
+        ))),
+        Some(raw) => serde_json::from_str::<T>(raw.get())
+            .map_err(|e| Problem::invalid(format!("malformed request: {name}: {e}"))),
+    }
+}
+
+/// Parses one item of a batch read as [`BatchItem`].
+pub fn parse_batch_item(
+    item: &BatchItem<'_>,
     defaults: &Defaults,
     limits: &Limits,
 ) -> Result<Parsed, Problem> {
-    #[derive(Deserialize)]
-    struct Tag {
-        op: Option<Value>,
+    if let Some(why) = item.refused {
+        return Err(Problem::invalid(why));
     }
-    let tag: Tag = serde_json::from_str(item.get())
-        .map_err(|_| Problem::invalid("a batch op must be a JSON object with an `op` field"))?;
-    let kind = match tag.op {
-        Some(Value::String(name)) => OpKind::from_name(&name).ok_or_else(|| {
+    let kind = match item.op.map(|raw| serde_json::from_str::<Value>(raw.get())) {
+        Some(Ok(Value::String(name))) => OpKind::from_name(&name).ok_or_else(|| {
             Problem::invalid(format!(
                 "unknown op {name:?}: use claim, complete, release, extend, mark, get or forget"
             ))
@@ -168,8 +319,48 @@ pub fn parse_item(
         Some(_) => return Err(Problem::invalid("op must be a string")),
         None => return Err(Problem::invalid("missing field `op`")),
     };
-    let mut de = serde_json::Deserializer::from_str(item.get());
-    parse_from(kind, &mut de, defaults, limits)
+    let token = || req_field::<String>(item.token, "token").map(Token::new);
+    let op = match kind {
+        OpKind::Claim => Op::Claim {
+            ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
+            lease_ms: opt_field(item.lease_ms, "lease_ms")?.unwrap_or(defaults.lease_ms),
+            fingerprint: opt_field(item.fingerprint, "fingerprint")?,
+            owner: opt_field(item.owner, "owner")?,
+        },
+        OpKind::Complete => Op::Complete {
+            token: token()?,
+            result: opt_field(item.result, "result")?,
+            ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?,
+        },
+        OpKind::Release => Op::Release { token: token()? },
+        OpKind::Extend => Op::Extend {
+            token: token()?,
+            lease_ms: req_field(item.lease_ms, "lease_ms")?,
+        },
+        OpKind::Mark => Op::Mark {
+            ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
+            fingerprint: opt_field(item.fingerprint, "fingerprint")?,
+            result: opt_field(item.result, "result")?,
+        },
+        OpKind::Get => Op::Get,
+        OpKind::Forget => Op::Forget,
+    };
+    let namespace = req_field::<String>(item.namespace, "namespace")?;
+    let key = req_field::<String>(item.key, "key")?;
+    let id = record_id(namespace, key, limits)?;
+    check_op(&op, limits)?;
+    Ok(Parsed { kind, id, op })
+}
+
+/// Parses one item of a batch given as its raw JSON text: `{"op": NAME, …fields of NAME}`.
+pub fn parse_item(
+    item: &RawValue,
+    defaults: &Defaults,
+    limits: &Limits,
+) -> Result<Parsed, Problem> {
+    let fields: BatchItem<'_> =
+        serde_json::from_str(item.get()).map_err(|_| Problem::invalid(NOT_AN_OBJECT))?;
+    parse_batch_item(&fields, defaults, limits)
 }
 
 fn parse_from<'de, D>(
@@ -295,6 +486,10 @@ impl std::io::Write for ByteCounter {
 pub fn write_outcome(out: &mut Vec<u8>, outcome: &Outcome) -> Result<(), Problem> {
     use serde_json::to_writer;
     let written = match outcome {
+        Outcome::Claimed(Claim::New(lease)) => {
+            write_new_lease(out, lease);
+            Ok(())
+        }
         Outcome::Claimed(claim) => to_writer(&mut *out, claim),
         Outcome::Completed(record) => {
             out.extend_from_slice(b"{\"record\":");
@@ -307,20 +502,64 @@ pub fn write_outcome(out: &mut Vec<u8>, outcome: &Outcome) -> Result<(), Problem
         Outcome::Extended {
             lease_expires_at_ms,
         } => {
-            out.extend_from_slice(
-                format!("{{\"lease_expires_at_ms\":{lease_expires_at_ms}}}").as_bytes(),
-            );
+            out.extend_from_slice(b"{\"lease_expires_at_ms\":");
+            write_u64(out, *lease_expires_at_ms);
+            out.push(b'}');
             Ok(())
         }
         Outcome::Marked(mark) => to_writer(&mut *out, mark),
         Outcome::Found(Some(record)) => to_writer(&mut *out, record),
         Outcome::Found(None) => return Err(Problem::not_found("no live record for this key")),
         Outcome::Forgotten(deleted) => {
-            out.extend_from_slice(format!("{{\"deleted\":{deleted}}}").as_bytes());
+            out.extend_from_slice(if *deleted {
+                b"{\"deleted\":true}"
+            } else {
+                b"{\"deleted\":false}"
+            });
             Ok(())
         }
     };
     written.map_err(|e| Problem::unavailable(format!("could not render the answer: {e}")))
+}
+
+/// `Claim::New` as serde writes it (`{"outcome":"new","token",…}`), without serde's per-byte
+/// escaping: the answer to most claims, so it is written by hand.
+fn write_new_lease(out: &mut Vec<u8>, lease: &Lease) {
+    out.extend_from_slice(b"{\"outcome\":\"new\",\"token\":");
+    write_str(out, lease.token.as_str());
+    out.extend_from_slice(b",\"fence\":");
+    write_u64(out, lease.fence);
+    out.extend_from_slice(b",\"lease_expires_at_ms\":");
+    write_u64(out, lease.lease_expires_at_ms);
+    out.extend_from_slice(b",\"expires_at_ms\":");
+    write_u64(out, lease.expires_at_ms);
+    out.push(b'}');
+}
+
+/// A JSON string: copied as is when nothing needs escaping (generated tokens are hex), else
+/// escaped by serde_json.
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        serde_json::to_writer(&mut *out, s).expect("writing a str to a Vec never fails");
+    }
+}
+
+fn write_u64(out: &mut Vec<u8>, mut n: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&buf[i..]);
 }
 
 #[cfg(test)]
@@ -376,6 +615,36 @@ mod tests {
     }
 
     #[test]
+    fn hand_written_answers_match_serde() {
+        for token in [
+            "5b012bf606e8fc464c616b292bfa03c5",
+            "quote\"back\\slash\u{1}é",
+        ] {
+            for fence in [0, 7, u64::MAX] {
+                let claim = Claim::New(Lease {
+                    token: Token::new(token),
+                    fence,
+                    lease_expires_at_ms: 1_764_000_030_000,
+                    expires_at_ms: 10,
+                });
+                let mut out = Vec::new();
+                write_outcome(&mut out, &Outcome::Claimed(claim.clone())).unwrap();
+                assert_eq!(out, serde_json::to_vec(&claim).unwrap());
+            }
+        }
+        let mut out = Vec::new();
+        write_outcome(
+            &mut out,
+            &Outcome::Extended {
+                lease_expires_at_ms: 123,
+            },
+        )
+        .unwrap();
+        write_outcome(&mut out, &Outcome::Forgotten(false)).unwrap();
+        assert_eq!(out, br#"{"lease_expires_at_ms":123}{"deleted":false}"#);
+    }
+
+    #[test]
     fn big_results_are_413() {
         let big = "x".repeat(Limits::default().result_bytes_max);
         let body = format!(r#"{{"namespace":"n","key":"k","result":"{big}"}}"#);
@@ -389,13 +658,64 @@ mod tests {
         let raw = |v: Value| RawValue::from_string(v.to_string()).unwrap();
         let ok = serde_json::json!({"op":"release","namespace":"n","key":"k","token":"t"});
         assert_eq!(parse_item(&raw(ok), &d, &l).unwrap().kind, OpKind::Release);
+        // A field the op does not take is ignored whatever its type; escaped names count.
+        let claim = parse_item(
+            &raw(serde_json::json!({"op":"claim","token":5,"result":{"a":[1]},"namespace":"n","key":"k","ttl_ms":null})),
+            &d,
+            &l,
+        )
+        .unwrap();
+        assert_eq!(claim.kind, OpKind::Claim);
+        assert_eq!(
+            claim.op,
+            Op::Claim {
+                ttl_ms: d.ttl_ms,
+                lease_ms: d.lease_ms,
+                fingerprint: None,
+                owner: None
+            }
+        );
+        let escaped = RawValue::from_string(
+            r#"{"\u006fp":"mark","namespace":"n","k\u0065y":"k\"q","result":[1,{"x":null}]}"#
+                .to_owned(),
+        )
+        .unwrap();
+        let mark = parse_item(&escaped, &d, &l).unwrap();
+        assert_eq!(mark.id.key.as_str(), "k\"q");
+        assert_eq!(
+            mark.op,
+            Op::Mark {
+                ttl_ms: d.ttl_ms,
+                fingerprint: None,
+                result: Some(serde_json::json!([1, {"x": null}]))
+            }
+        );
         for bad in [
+            serde_json::json!(null),
+            serde_json::json!("claim"),
+            serde_json::json!([{"op":"claim"}]),
+            serde_json::json!(true),
+            serde_json::json!({"op":7,"namespace":"n","key":"k"}),
+            serde_json::json!({"op":"claim","namespace":"n","key":7}),
+            serde_json::json!({"op":"claim","namespace":"n","key":"k","ttl_ms":"1"}),
+            serde_json::json!({"op":"claim","namespace":"n","key":"k","ttl_ms":0}),
+            serde_json::json!({"op":"claim","namespace":"n"}),
+            serde_json::json!({"op":"complete","namespace":"n","key":"k"}),
             serde_json::json!({"op":"explode","namespace":"n","key":"k"}),
             serde_json::json!({"namespace":"n","key":"k"}),
             serde_json::json!(7),
             serde_json::json!({"op":"extend","namespace":"n","key":"k","token":"t"}),
         ] {
-            assert_eq!(parse_item(&raw(bad), &d, &l).unwrap_err().status, 400);
+            assert_eq!(
+                parse_item(&raw(bad.clone()), &d, &l).unwrap_err().status,
+                400,
+                "{bad}"
+            );
         }
+        let twice = RawValue::from_string(
+            r#"{"op":"claim","namespace":"n","key":"k","key":"j"}"#.to_owned(),
+        )
+        .unwrap();
+        assert_eq!(parse_item(&twice, &d, &l).unwrap_err().status, 400);
     }
 }
