@@ -188,7 +188,9 @@ fn sync_dirs(dir: &Path) -> Result<(), EngineError> {
 }
 
 /// Longest a checkpoint after a failure waits for fjall to flush; the writer retries after it.
-const CHECKPOINT_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
+const CHECKPOINT_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(30);
+/// Longest it waits while the flush makes no visible progress.
+const CHECKPOINT_STALL_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Longest a clean close waits for fjall to flush its memtables.
 const CLOSE_FLUSH_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
@@ -322,20 +324,35 @@ impl Engine for FjallEngine {
         for partition in partitions {
             partition.rotate_memtable()?;
         }
-        let deadline = std::time::Instant::now() + CHECKPOINT_WAIT_MAX;
-        while !(partitions
-            .iter()
-            .all(|p| p.tree.sealed_memtable_count() == 0)
-            && self.keyspace.journal_count() <= 1)
-        {
-            if std::time::Instant::now() >= deadline {
+        let started = std::time::Instant::now();
+        let pending = || {
+            (
+                partitions
+                    .iter()
+                    .map(|p| p.tree.sealed_memtable_count())
+                    .sum::<usize>(),
+                self.keyspace.journal_count(),
+            )
+        };
+        let (mut last, mut last_change) = (pending(), started);
+        while !(last.0 == 0 && last.1 <= 1) {
+            // A flush that stopped moving (seen after a poisoned keyspace was dropped) is given
+            // up soon; the writer reopens and tries again.
+            if last_change.elapsed() >= CHECKPOINT_STALL_MAX
+                || started.elapsed() >= CHECKPOINT_WAIT_MAX
+            {
                 return Err(EngineError::Other(format!(
-                    "the journals written before the failure were not flushed within {CHECKPOINT_WAIT_MAX:?}"
+                    "the journals written before the failure were not flushed (waited {:?})",
+                    started.elapsed()
                 )));
             }
             // A failed flush poisons the keyspace (and stops its flusher): give up at once.
             self.keyspace.persist(fjall::PersistMode::Buffer)?;
             std::thread::sleep(std::time::Duration::from_millis(5));
+            let now = pending();
+            if now != last {
+                (last, last_change) = (now, std::time::Instant::now());
+            }
         }
         self.keyspace.persist(fjall::PersistMode::SyncAll)?;
         // A directory fsync that failed before is not retried by fjall: the active journal
