@@ -165,14 +165,36 @@ impl OwnedPg {
         text.lines().next()?.trim().parse().ok()
     }
 
-    /// `kill -9` of the postmaster (its backends notice and exit), then a start on the same data
-    /// directory and port: crash recovery replays the WAL.
+    /// Every live process of this cluster (the postmaster and its backends all run with the data
+    /// directory as their working directory).
+    fn cluster_pids(&self) -> Vec<rustix::process::Pid> {
+        let data = std::fs::canonicalize(self.data()).unwrap_or_else(|_| self.data());
+        std::fs::read_dir("/proc")
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| {
+                        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+                        let cwd = std::fs::read_link(e.path().join("cwd")).ok()?;
+                        (cwd == data).then_some(())?;
+                        rustix::process::Pid::from_raw(pid)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// `kill -9` of the postmaster and of every backend at once (as a host crash would end
+    /// them), then a start on the same data directory and port: crash recovery replays the WAL.
     pub fn kill9_and_restart(&self) -> std::io::Result<()> {
         if let Some(pid) = self
             .postmaster_pid()
             .and_then(rustix::process::Pid::from_raw)
         {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            for p in self.cluster_pids() {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
             // Until it is gone, pg_ctl would see it still running.
             let gone = Instant::now() + Duration::from_secs(10);
             while Instant::now() < gone
