@@ -929,7 +929,16 @@ pub fn wrong_errors(events: &[crate::history::Event]) -> Vec<String> {
         .filter_map(|e| {
             let bad = match &e.answer {
                 HAnswer::Unknown { why } => {
-                    why.contains("corrupt") || why.contains("misconfigured")
+                    why.contains("corrupt")
+                        || why.contains("misconfigured")
+                        // The HTTP face: an answer API.md does not define, or a problem other
+                        // than 503 `unavailable` (the client renders those "STATUS CODE: …").
+                        || why.contains("protocol:")
+                        || why.split("store unavailable: ").skip(1).any(|rest| {
+                            rest.len() > 4
+                                && rest.as_bytes()[..3].iter().all(u8::is_ascii_digit)
+                                && rest.as_bytes()[3] == b' '
+                        })
                 }
                 HAnswer::Refused { code } => code != "lease_lost",
                 _ => false,
@@ -1037,4 +1046,41 @@ pub fn sibling_exe(name: &str) -> Option<PathBuf> {
         dir = d.parent();
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::{Event, HAnswer, HOp};
+
+    fn unknown(why: &str) -> Event {
+        Event {
+            client: "w".into(),
+            namespace: "ns".into(),
+            key: "k".into(),
+            op: HOp::Get,
+            call_ns: 1,
+            return_ns: None,
+            answer: HAnswer::Unknown { why: why.into() },
+        }
+    }
+
+    #[test]
+    fn only_unavailable_and_timeouts_are_answers_a_fault_may_produce() {
+        let ok = [
+            "store error: store unavailable: broken pipe",
+            "store error: store unavailable: client timeout",
+            "store error: store unavailable: transport: error sending request",
+            "no answer logged: the process was killed",
+        ];
+        let bad = [
+            "store error: store data is corrupt: bad record",
+            "store error: store misconfigured: no schema",
+            "store error: store unavailable: 500 internal: boom",
+            "store error: store unavailable: protocol: not JSON",
+        ];
+        let events: Vec<Event> = ok.iter().chain(&bad).map(|w| unknown(w)).collect();
+        let wrong = wrong_errors(&events);
+        assert_eq!(wrong.len(), bad.len(), "{wrong:#?}");
+    }
 }
