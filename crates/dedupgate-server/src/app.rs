@@ -237,6 +237,7 @@ impl AppState {
         let mut slots: Vec<Result<(), Problem>> = Vec::with_capacity(ops.len());
         let mut labels = Vec::with_capacity(ops.len());
         let mut store_ops = Vec::with_capacity(ops.len());
+        let mut last_namespace: Option<String> = None;
         for item in &ops {
             let parsed = wire::parse_batch_item(item, &self.config.defaults, &self.config.limits)
                 .and_then(|p| {
@@ -245,7 +246,19 @@ impl AppState {
                 });
             match parsed {
                 Ok(p) => {
-                    labels.push(self.metrics.namespace_label(p.id.namespace.as_str()));
+                    // Items of a batch mostly share a namespace: reuse the previous label.
+                    let label = match labels.last() {
+                        Some(last)
+                            if last_namespace.as_deref() == Some(p.id.namespace.as_str()) =>
+                        {
+                            Arc::clone(last)
+                        }
+                        _ => {
+                            last_namespace = Some(p.id.namespace.as_str().to_owned());
+                            self.metrics.namespace_label(p.id.namespace.as_str())
+                        }
+                    };
+                    labels.push(label);
                     store_ops.push((p.id, p.op));
                     slots.push(Ok(()));
                 }

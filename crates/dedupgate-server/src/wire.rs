@@ -290,6 +290,23 @@ fn opt_field<'a, T: Deserialize<'a>>(
     }
 }
 
+/// The text of a JSON string that holds no escape, straight from its raw form (quotes off):
+/// the usual case, without a deserializer. The raw value was validated when it was read.
+fn plain_str(raw: &RawValue) -> Option<&str> {
+    raw.get()
+        .strip_prefix('"')?
+        .strip_suffix('"')
+        .filter(|s| !s.contains('\\'))
+}
+
+/// A string field the op needs.
+fn req_string(raw: Option<&RawValue>, name: &str) -> Result<String, Problem> {
+    match raw.and_then(plain_str) {
+        Some(s) => Ok(s.to_owned()),
+        None => req_field(raw, name),
+    }
+}
+
 /// A field the op needs.
 fn req_field<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>, name: &str) -> Result<T, Problem> {
     match raw {
@@ -310,16 +327,21 @@ pub fn parse_batch_item(
     if let Some(why) = item.refused {
         return Err(Problem::invalid(why));
     }
-    let kind = match item.op.map(|raw| serde_json::from_str::<Value>(raw.get())) {
-        Some(Ok(Value::String(name))) => OpKind::from_name(&name).ok_or_else(|| {
+    let kind = match item.op.and_then(plain_str).and_then(OpKind::from_name) {
+        Some(kind) => Ok(kind),
+        None => Err(item.op.map(|raw| serde_json::from_str::<Value>(raw.get()))),
+    };
+    let kind = match kind {
+        Ok(kind) => kind,
+        Err(Some(Ok(Value::String(name)))) => OpKind::from_name(&name).ok_or_else(|| {
             Problem::invalid(format!(
                 "unknown op {name:?}: use claim, complete, release, extend, mark, get or forget"
             ))
         })?,
-        Some(_) => return Err(Problem::invalid("op must be a string")),
-        None => return Err(Problem::invalid("missing field `op`")),
+        Err(Some(_)) => return Err(Problem::invalid("op must be a string")),
+        Err(None) => return Err(Problem::invalid("missing field `op`")),
     };
-    let token = || req_field::<String>(item.token, "token").map(Token::new);
+    let token = || req_string(item.token, "token").map(Token::new);
     let op = match kind {
         OpKind::Claim => Op::Claim {
             ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
@@ -345,8 +367,8 @@ pub fn parse_batch_item(
         OpKind::Get => Op::Get,
         OpKind::Forget => Op::Forget,
     };
-    let namespace = req_field::<String>(item.namespace, "namespace")?;
-    let key = req_field::<String>(item.key, "key")?;
+    let namespace = req_string(item.namespace, "namespace")?;
+    let key = req_string(item.key, "key")?;
     let id = record_id(namespace, key, limits)?;
     check_op(&op, limits)?;
     Ok(Parsed { kind, id, op })
