@@ -4,7 +4,10 @@
 # that docs/reliability.md publishes.
 #
 #   scripts/torture.sh --minutes 60 [--fuzz-seconds 3600] [--out DIR] [--cycles-per-run 100]
+#                      [--only REGEX]
 #
+# --only runs just the runs whose label matches REGEX (e.g. 'embedded|proxy'); --fuzz-seconds 0
+# skips the fuzz step.
 # Needs the local Redis (127.0.0.1:6379) and PostgreSQL (127.0.0.1:5432, user postgres, db test)
 # the tests use (DEDUPGATE_TEST_REDIS_URL / DEDUPGATE_TEST_POSTGRES_URL override them), and
 # fiu-utils, faketime and cc for the storage-fault and clock-jump runs. The fuzz
@@ -15,6 +18,7 @@ cd "$(dirname "$0")/.."
 
 minutes=10
 fuzz_seconds=60
+only=""
 cycles=100
 out="${TMPDIR:-/tmp}/dedupgate-soak-$(date -u +%Y%m%dT%H%M%SZ)"
 while [ $# -gt 0 ]; do
@@ -23,6 +27,7 @@ while [ $# -gt 0 ]; do
     --fuzz-seconds) fuzz_seconds="$2"; shift 2 ;;
     --cycles-per-run) cycles="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --only) only="$2"; shift 2 ;;
     -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -40,6 +45,8 @@ export DEDUPGATE_BIN="${bin%-torture}"
 failed=0
 run() { # label, args...
   local label="$1"; shift
+  # --only REGEX: run just the rounds' runs whose label matches (e.g. to re-soak one store).
+  if [ -n "$only" ] && ! [[ "$label" =~ $only ]]; then return 0; fi
   echo "=== $label"
   if ! "$bin" "$@" --report "$report"; then
     echo "!!! $label FAILED (files kept under $out)"; failed=1
@@ -104,7 +111,9 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
 done
 
 echo "=== fuzz ($fuzz_seconds s per target)"
-if cargo +nightly --version >/dev/null 2>&1 && cargo fuzz --version >/dev/null 2>&1; then
+if [ "$fuzz_seconds" -eq 0 ]; then
+  echo "fuzz: skipped (--fuzz-seconds 0)"
+elif cargo +nightly --version >/dev/null 2>&1 && cargo fuzz --version >/dev/null 2>&1; then
   for t in http_body key_template id_canonical embedded_record; do
     (cd fuzz && cargo +nightly fuzz run "$t" -O -- -max_total_time="$fuzz_seconds" 2>&1 \
       | grep -E "^Done|ERROR|SUMMARY" | sed "s/^/fuzz $t: /") || failed=1
