@@ -334,7 +334,9 @@ impl AppState {
 }
 
 fn json(status: StatusCode, body: Vec<u8>) -> Response {
-    let mut response = (status, body).into_response();
+    // Built directly: `(status, body).into_response()` would set a content type to replace.
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
