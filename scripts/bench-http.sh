@@ -1,83 +1,176 @@
 #!/usr/bin/env bash
-# HTTP benchmark of the gate beside Redis, in one run, on this machine:
-#   - dedupgate serve on the embedded durable store (every answer fsync'd before it is sent),
-#   - dedupgate bench: N keep-alive connections, single claims, then batches of claims,
+# HTTP benchmark of the gate beside Redis, in one run, on this machine (docs/benchmarks-http.md):
+#   - dedupgate serve on the embedded durable store (fresh dir; every answer fdatasync'd before
+#     it is sent): wrk single claims (scripts/wrk-claim.lua), wrk batches of BATCH claims
+#     (scripts/wrk-batch.lua), then `dedupgate bench` single/batch (the repo's own Rust generator;
+#     DEDUPGATE_BENCH=0 skips it),
+#   - the same wrk runs against dedupgate serve on memory: (the HTTP face without the durable
+#     commit, for attribution),
 #   - redis-benchmark -c 50 -P 1 and -P 16 for SET key:__rand_int__ 1 NX EX 86400 -r 1000000
 #     against the machine's Redis (db 15, its keys removed afterwards),
-# and prints a markdown table with the ratios. Usage: scripts/bench-http.sh [SECONDS] [CONNS] [BATCH]
+# then prints a markdown table with the ratios and the CPU each side used. Every wrk key is
+# unique, so every answer must be a 200 "new"; a run with any other answer is marked INVALID and
+# the script exits 1.
+# Usage: scripts/bench-http.sh [SECONDS] [CONNS] [BATCH]; WRK_THREADS (default 2) sets wrk -t.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
 CONNS=${2:-50}
 BATCH=${3:-100}
+WRK_THREADS=${WRK_THREADS:-2}
+DEDUPGATE_BENCH=${DEDUPGATE_BENCH:-1}
 REDIS_HOST=${REDIS_HOST:-127.0.0.1}
 REDIS_PORT=${REDIS_PORT:-6379}
 REDIS_DB=${REDIS_DB:-15}
+command -v wrk >/dev/null || { echo "wrk is missing: apt-get install -y wrk" >&2; exit 1; }
 
 cargo build --release -q -p dedupgate
 BIN=target/release/dedupgate
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/dedupgate-bench.XXXXXX")
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-URL="http://127.0.0.1:$PORT"
-"$BIN" serve --listen "127.0.0.1:$PORT" --store "embedded:$WORK/data" --in-flight-max 4096 \
-  2>"$WORK/serve.log" &
-SERVER=$!
+RUN_ID=$(date +%s)-$$
+SERVER=
 cleanup() {
-  kill -TERM "$SERVER" 2>/dev/null || true
-  wait "$SERVER" 2>/dev/null || true
+  if [ -n "$SERVER" ]; then kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-for _ in $(seq 1 100); do curl -sf "$URL/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
-curl -sf "$URL/healthz" >/dev/null || { cat "$WORK/serve.log"; exit 1; }
 
-echo "# $(date -u +%FT%TZ) $(nproc) cores; server: $(head -n1 "$WORK/serve.log" | sed 's/.*listening/listening/')" >&2
-echo "# dedupgate bench: $CONNS connections, ${SECS}s per mode, batch $BATCH" >&2
-"$BIN" bench --server "$URL" -c "$CONNS" --duration "${SECS}s" --mode single --json > "$WORK/single.json"
-"$BIN" bench --server "$URL" -c "$CONNS" --duration "${SECS}s" --mode batch --batch-size "$BATCH" --json > "$WORK/batch.json"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# CPU seconds (user+system) a process has used so far.
+cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14+$15)/hz}' "/proc/$1/stat"; }
 
-# The same load on the memory store: what the HTTP face costs without a durable commit.
-MPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$BIN" serve --listen "127.0.0.1:$MPORT" --store memory: --in-flight-max 4096 2>"$WORK/serve-mem.log" &
-MSERVER=$!
-for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$MPORT/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
-"$BIN" bench --server "http://127.0.0.1:$MPORT" -c "$CONNS" --duration "${SECS}s" --mode single --json > "$WORK/mem-single.json"
-"$BIN" bench --server "http://127.0.0.1:$MPORT" -c "$CONNS" --duration "${SECS}s" --mode batch --batch-size "$BATCH" --json > "$WORK/mem-batch.json"
-kill -TERM "$MSERVER"; wait "$MSERVER" || true
-
-# Redis: about as many requests as the HTTP run sent per mode, at least 200k.
-redis_run() { # $1 = pipeline depth
-  redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" --dbnum "$REDIS_DB" -c 50 -P "$1" \
-    -n "$2" -r 1000000 --csv SET key:__rand_int__ 1 NX EX 86400 | tail -n1
+start_server() { # $1 = store, $2 = log name; sets SERVER and URL
+  local port; port=$(free_port)
+  URL="http://127.0.0.1:$port"
+  "$BIN" serve --listen "127.0.0.1:$port" --store "$1" --in-flight-max 4096 2>"$WORK/$2.log" &
+  SERVER=$!
+  for _ in $(seq 1 100); do curl -sf "$URL/healthz" >/dev/null 2>&1 && break; sleep 0.1; done
+  curl -sf "$URL/healthz" >/dev/null || { cat "$WORK/$2.log"; exit 1; }
 }
-N1=$(python3 -c "import json; print(max(200000, int(json.load(open('$WORK/single.json'))['ops_per_s']*$SECS)))")
-redis_run 1 "$N1" > "$WORK/redis1.csv"
-redis_run 16 $((N1 * 4)) > "$WORK/redis16.csv"
+stop_server() { kill -TERM "$SERVER"; wait "$SERVER" || true; SERVER=; }
+
+wrk_run() { # $1 = name, $2 = lua script, then script args; writes $WORK/$1.json
+  local name=$1 script=$2; shift 2
+  local before; before=$(cpu_s "$SERVER")
+  /usr/bin/time -f '%U %S' -o "$WORK/$name.time" \
+    wrk -t "$WRK_THREADS" -c "$CONNS" -d "${SECS}s" --latency -s "$script" "$URL" -- "$@" \
+    > "$WORK/$name.out"
+  local after; after=$(cpu_s "$SERVER")
+  sed 's/^/    /' "$WORK/$name.out" >&2
+  python3 - "$WORK" "$name" "$before" "$after" <<'PY'
+import json, sys
+work, name, before, after = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+line = next(l for l in open(f"{work}/{name}.out") if l.startswith("WRK_RESULT "))
+r = json.loads(line[len("WRK_RESULT "):])
+secs = r["duration_us"] / 1e6
+user, sys_ = map(float, open(f"{work}/{name}.time").read().split()[-2:])
+out = {
+    "ops_per_s": r["requests"] * r["ops_per_request"] / secs,
+    "requests_per_s": r["requests"] / secs,
+    "p50_ms": r["p50_us"] / 1000, "p99_ms": r["p99_us"] / 1000,
+    "errors": r["non2xx"] + r["bad_items"] + r["socket_errors"],
+    "error_detail": f'{r["non2xx"]} non-2xx, {r["bad_items"]} items not new, {r["socket_errors"]} socket errors',
+    "server_cores": (after - before) / secs, "gen_cores": (user + sys_) / secs,
+}
+json.dump(out, open(f"{work}/{name}.json", "w"))
+PY
+}
+
+bench_run() { # $1 = name, then dedupgate bench args; writes $WORK/$1.json
+  local name=$1; shift
+  local before; before=$(cpu_s "$SERVER")
+  /usr/bin/time -f '%U %S' -o "$WORK/$name.time" \
+    "$BIN" bench --server "$URL" -c "$CONNS" --duration "${SECS}s" --json "$@" > "$WORK/$name.raw"
+  local after; after=$(cpu_s "$SERVER")
+  python3 - "$WORK" "$name" "$before" "$after" "$SECS" <<'PY'
+import json, sys
+work, name, before, after, secs = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+r = json.load(open(f"{work}/{name}.raw"))
+user, sys_ = map(float, open(f"{work}/{name}.time").read().split()[-2:])
+json.dump({"ops_per_s": r["ops_per_s"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+           "errors": r["requests_failed"], "error_detail": f'{r["requests_failed"]} failed requests',
+           "server_cores": (after - before) / secs, "gen_cores": (user + sys_) / secs},
+          open(f"{work}/{name}.json", "w"))
+PY
+}
+
+echo "# $(date -u +%FT%TZ) $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); wrk -t$WRK_THREADS -c$CONNS, ${SECS}s per run, batch $BATCH" >&2
+start_server "embedded:$WORK/data" serve
+echo "# $(head -n1 "$WORK/serve.log" | sed 's/.*listening/listening/')" >&2
+wrk_run emb-single scripts/wrk-claim.lua "$RUN_ID-es"
+wrk_run emb-batch scripts/wrk-batch.lua "$RUN_ID-eb" "$BATCH"
+if [ "$DEDUPGATE_BENCH" = 1 ]; then
+  bench_run bench-single --mode single
+  bench_run bench-batch --mode batch --batch-size "$BATCH"
+fi
+stop_server
+
+start_server memory: serve-mem
+wrk_run mem-single scripts/wrk-claim.lua "$RUN_ID-ms"
+wrk_run mem-batch scripts/wrk-batch.lua "$RUN_ID-mb" "$BATCH"
+stop_server
+
+# Redis: about as many requests as the single-claim HTTP run sent, at least 200k (4x at -P 16).
+REDIS_PID=$(redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" info server | tr -d '\r' | sed -n 's/^process_id://p')
+redis_run() { # $1 = name, $2 = pipeline depth, $3 = requests
+  local before after start end
+  before=$(cpu_s "$REDIS_PID"); start=$(date +%s.%N)
+  /usr/bin/time -f '%U %S' -o "$WORK/$1.time" \
+    redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" --dbnum "$REDIS_DB" -c 50 -P "$2" \
+    -n "$3" -r 1000000 --csv SET key:__rand_int__ 1 NX EX 86400 | tail -n1 > "$WORK/$1.csv"
+  after=$(cpu_s "$REDIS_PID"); end=$(date +%s.%N)
+  python3 - "$WORK" "$1" "$before" "$after" "$start" "$end" <<'PY'
+import csv, json, sys
+work, name = sys.argv[1], sys.argv[2]
+before, after, start, end = map(float, sys.argv[3:7])
+# "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
+row = next(csv.reader(open(f"{work}/{name}.csv")))
+user, sys_ = map(float, open(f"{work}/{name}.time").read().split()[-2:])
+secs = end - start
+json.dump({"ops_per_s": float(row[1]), "p50_ms": float(row[4]), "p99_ms": float(row[6]),
+           "errors": 0, "error_detail": "", "server_cores": (after - before) / secs,
+           "gen_cores": (user + sys_) / secs}, open(f"{work}/{name}.json", "w"))
+PY
+}
+N1=$(python3 -c "import json; print(max(200000, int(json.load(open('$WORK/emb-single.json'))['ops_per_s']*$SECS)))")
+redis_run redis1 1 "$N1"
+redis_run redis16 16 $((N1 * 4))
 redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" --scan --pattern 'key:*' \
   | xargs -r -n 10000 redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" unlink >/dev/null || true
+echo "# done $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
-python3 - "$WORK" "$CONNS" "$BATCH" <<'PY'
-import csv, json, sys
-work, conns, batch = sys.argv[1], sys.argv[2], sys.argv[3]
-single = json.load(open(f"{work}/single.json"))
-batched = json.load(open(f"{work}/batch.json"))
-def redis(path):
-    row = next(csv.reader(open(path)))
-    # "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
-    return {"ops_per_s": float(row[1]), "p50_ms": float(row[4]), "p99_ms": float(row[6])}
-r1, r16 = redis(f"{work}/redis1.csv"), redis(f"{work}/redis16.csv")
-print(f"| run | claims/s | p50 ms | p99 ms | ratio | target |")
-print(f"|---|---:|---:|---:|---:|---|")
-print(f"| redis-benchmark -c 50 -P 1 (SET NX EX) | {r1['ops_per_s']:,.0f} | {r1['p50_ms']:.3f} | {r1['p99_ms']:.3f} | 1.00 | |")
-print(f"| redis-benchmark -c 50 -P 16 (SET NX EX) | {r16['ops_per_s']:,.0f} | {r16['p50_ms']:.3f} | {r16['p99_ms']:.3f} | 1.00 | |")
-ok1 = single['ops_per_s'] / r1['ops_per_s']
-print(f"| dedupgate HTTP single claim, {conns} conns | {single['ops_per_s']:,.0f} | {single['p50_ms']:.3f} | {single['p99_ms']:.3f} | {ok1:.2f}x of -P 1 | >= 0.5x, p99 < 5 ms |")
-okb = batched['ops_per_s'] / r16['ops_per_s']
-print(f"| dedupgate HTTP batch of {batch} claims, {conns} conns | {batched['ops_per_s']:,.0f} | {batched['p50_ms']:.3f} | {batched['p99_ms']:.3f} | {okb:.2f}x of -P 16 | >= 1x |")
-for name, path, base, label in [("single claim", "mem-single", r1, "-P 1"), (f"batch of {batch} claims", "mem-batch", r16, "-P 16")]:
-    m = json.load(open(f"{work}/{path}.json"))
-    print(f"| memory store (HTTP face only): {name}, {conns} conns | {m['ops_per_s']:,.0f} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} | {m['ops_per_s']/base['ops_per_s']:.2f}x of {label} | not durable: for attribution |")
+python3 - "$WORK" "$CONNS" "$BATCH" "$WRK_THREADS" "$DEDUPGATE_BENCH" <<'PY'
+import json, os, sys
+work, conns, batch, threads, with_bench = sys.argv[1:6]
+load = lambda n: json.load(open(f"{work}/{n}.json"))
+r1, r16 = load("redis1"), load("redis16")
+rows = [
+    ("redis-benchmark -c 50 -P 1 (SET NX EX)", r1, None, ""),
+    ("redis-benchmark -c 50 -P 16 (SET NX EX)", r16, None, ""),
+    (f"wrk -t{threads} -c{conns}: HTTP single claim, embedded", load("emb-single"), ("-P 1", r1), ">= 0.5x, p99 < 5 ms"),
+    (f"wrk -t{threads} -c{conns}: HTTP batch of {batch} claims, embedded", load("emb-batch"), ("-P 16", r16), ">= 1x"),
+]
+if with_bench == "1":
+    rows += [
+        (f"dedupgate bench -c {conns}: single claim, embedded", load("bench-single"), ("-P 1", r1), "(other generator)"),
+        (f"dedupgate bench -c {conns}: batch of {batch}, embedded", load("bench-batch"), ("-P 16", r16), "(other generator)"),
+    ]
+rows += [
+    (f"wrk -t{threads} -c{conns}: single claim, memory store (not durable)", load("mem-single"), ("-P 1", r1), "attribution only"),
+    (f"wrk -t{threads} -c{conns}: batch of {batch}, memory store (not durable)", load("mem-batch"), ("-P 16", r16), "attribution only"),
+]
+print("| run | claims/s | p50 ms | p99 ms | server CPU (cores) | load generator CPU (cores) | ratio | target |")
+print("|---|---:|---:|---:|---:|---:|---:|---|")
+invalid = []
+for name, r, base, target in rows:
+    ratio = f"{r['ops_per_s'] / base[1]['ops_per_s']:.2f}x of {base[0]}" if base else "1.00"
+    if r["errors"]:
+        invalid.append(f"{name}: {r['error_detail']}")
+        ratio += " INVALID"
+    print(f"| {name} | {r['ops_per_s']:,.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+          f"{r['server_cores']:.2f} | {r['gen_cores']:.2f} | {ratio} | {target} |")
 print()
-print(f"single: {single['requests_ok']} requests ok, {single['requests_failed']} failed; "
-      f"batch: {batched['requests_ok']} requests ok ({batched['requests_per_s']:,.0f} req/s), {batched['requests_failed']} failed")
+for line in invalid:
+    print(f"INVALID: {line}")
+sys.exit(1 if invalid else 0)
 PY
