@@ -10,7 +10,7 @@
 #     against the machine's Redis (db 15, its keys removed afterwards),
 # then prints a markdown table with the ratios and the CPU each side used. Every wrk key is
 # unique, so every answer must be a 200 "new"; a run with any other answer is marked INVALID and
-# the script exits 1.
+# the script exits 1. wrk waits up to 10 s for an answer (the server's own request timeout).
 # Usage: scripts/bench-http.sh [SECONDS] [CONNS] [BATCH]; WRK_THREADS (default 2) sets wrk -t.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +53,7 @@ wrk_run() { # $1 = name, $2 = lua script, then script args; writes $WORK/$1.json
   local name=$1 script=$2; shift 2
   local before; before=$(cpu_s "$SERVER")
   /usr/bin/time -f '%U %S' -o "$WORK/$name.time" \
-    wrk -t "$WRK_THREADS" -c "$CONNS" -d "${SECS}s" --latency -s "$script" "$URL" -- "$@" \
+    wrk -t "$WRK_THREADS" -c "$CONNS" -d "${SECS}s" --timeout 10s --latency -s "$script" "$URL" -- "$@" \
     > "$WORK/$name.out"
   local after; after=$(cpu_s "$SERVER")
   sed 's/^/    /' "$WORK/$name.out" >&2
@@ -159,8 +159,8 @@ rows += [
     (f"wrk -t{threads} -c{conns}: single claim, memory store (not durable)", load("mem-single"), ("-P 1", r1), "attribution only"),
     (f"wrk -t{threads} -c{conns}: batch of {batch}, memory store (not durable)", load("mem-batch"), ("-P 16", r16), "attribution only"),
 ]
-print("| run | claims/s | p50 ms | p99 ms | server CPU (cores) | load generator CPU (cores) | ratio | target |")
-print("|---|---:|---:|---:|---:|---:|---:|---|")
+print("| run | claims/s | p50 ms | p99 ms | server CPU (cores) | server CPU µs/claim | load generator CPU (cores) | ratio | target |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 invalid = []
 for name, r, base, target in rows:
     ratio = f"{r['ops_per_s'] / base[1]['ops_per_s']:.2f}x of {base[0]}" if base else "1.00"
@@ -168,7 +168,7 @@ for name, r, base, target in rows:
         invalid.append(f"{name}: {r['error_detail']}")
         ratio += " INVALID"
     print(f"| {name} | {r['ops_per_s']:,.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-          f"{r['server_cores']:.2f} | {r['gen_cores']:.2f} | {ratio} | {target} |")
+          f"{r['server_cores']:.2f} | {r['server_cores'] / r['ops_per_s'] * 1e6:.1f} | {r['gen_cores']:.2f} | {ratio} | {target} |")
 print()
 for line in invalid:
     print(f"INVALID: {line}")
