@@ -15,7 +15,7 @@ use dedupgate_core::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::codec::{decode_entry, encode_id};
-use crate::engine::{DurableView, Engine, EngineError, EngineOpener, FjallEngine};
+use crate::engine::{Engine, EngineError, EngineOpener, FjallEngine};
 use crate::error::OpenError;
 use crate::writer::{check_format, FormatProblem, Request, Shared, Writer};
 use crate::{ENGINE_DIR_NAME, FORMAT_FILE_NAME, LOCK_FILE_NAME};
@@ -462,18 +462,20 @@ impl EmbeddedStore {
 
     /// Answers `op` from the last durable commit when the answer changes nothing (a duplicate,
     /// a refusal, a get); `None` when the writer must decide it. Sound because the writer
-    /// publishes each commit's view before it sends that commit's answers: every acknowledged
-    /// change is visible here, and a change not yet acknowledged is concurrent with this op, which
-    /// may then be ordered before it.
-    fn answer_from_view(
-        &self,
-        view: &dyn DurableView,
-        id: &RecordId,
-        op: &Op,
-    ) -> Option<Result<Outcome, GateError>> {
+    /// publishes each commit's view before it sends that commit's answers (every acknowledged
+    /// change is visible here), and because an id that the commit in flight may change, or any
+    /// op during which a commit began or ended, is left to the writer (see `PendingIds`): so the
+    /// answer's instant never runs ahead of a decision on the same id ordered after it.
+    fn answer_from_view(&self, id: &RecordId, op: &Op) -> Option<Result<Outcome, GateError>> {
+        let pending = &self.shared.pending;
+        let epoch = pending.epoch();
         let mut key = Vec::with_capacity(64);
-        let mut value = Vec::with_capacity(256);
         encode_id(id, &mut key);
+        if epoch % 2 == 1 && pending.may_change(&key) {
+            return None;
+        }
+        let view = self.shared.view.get()?;
+        let mut value = Vec::with_capacity(256);
         // Errors and undecodable bytes are left to the writer, which reports them properly.
         let entry = match view.get(&key, &mut value) {
             Ok(true) => Some(decode_entry(&value).ok()?),
@@ -484,24 +486,34 @@ impl EmbeddedStore {
         let decision = decide(id, op.clone(), entry.as_ref(), now_ms, || {
             Token::new("view-answers-never-create-claims")
         });
+        if pending.epoch() != epoch {
+            return None;
+        }
         match decision.change {
             Change::Keep => Some(decision.answer),
             Change::Put(_) => None,
         }
     }
 
-    /// The view, when `op` is worth answering from it.
-    fn view_for(&self, op: &Op) -> Option<Arc<dyn DurableView>> {
-        let worth = match op {
+    /// Whether `op` is worth trying to answer from the view.
+    fn view_worth_trying(&self, op: &Op) -> bool {
+        match op {
             Op::Get => true,
             Op::Claim { .. } | Op::Mark { .. } => self.view_credit.worth_trying(),
             _ => false,
-        };
-        if worth {
-            self.shared.view.get()
-        } else {
-            None
         }
+    }
+
+    /// The answer from the view, when worth trying and possible; keeps the credit up to date.
+    fn try_view(&self, id: &RecordId, op: &Op) -> Option<Result<Outcome, GateError>> {
+        if !self.view_worth_trying(op) {
+            return None;
+        }
+        let answer = self.answer_from_view(id, op);
+        if !matches!(op, Op::Get) {
+            self.view_credit.record(answer.is_some());
+        }
+        answer
     }
 
     /// The store's clock (the one leases and ttls are judged on).
@@ -589,14 +601,8 @@ impl Store for EmbeddedStore {
     async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
         op.validate()?;
         self.check_available()?;
-        if let Some(view) = self.view_for(&op) {
-            let answer = self.answer_from_view(view.as_ref(), &id, &op);
-            if !matches!(op, Op::Get) {
-                self.view_credit.record(answer.is_some());
-            }
-            if let Some(answer) = answer {
-                return answer;
-            }
+        if let Some(answer) = self.try_view(&id, &op) {
+            return answer;
         }
         let (reply, rx) = oneshot::channel();
         self.send(Request::One { id, op, reply }).await?;
@@ -625,13 +631,7 @@ impl Store for EmbeddedStore {
             let from_view = if writer_ids.contains(&id) {
                 None
             } else {
-                self.view_for(&op).and_then(|view| {
-                    let answer = self.answer_from_view(view.as_ref(), &id, &op);
-                    if !matches!(op, Op::Get) {
-                        self.view_credit.record(answer.is_some());
-                    }
-                    answer
-                })
+                self.try_view(&id, &op)
             };
             match from_view {
                 Some(answer) => answers.push(Some(answer)),

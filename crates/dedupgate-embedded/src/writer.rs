@@ -70,6 +70,69 @@ pub(crate) struct Shared {
     pub commits_total: AtomicU64,
     /// The last durable commit's view; `None` while the store is failed closed.
     pub view: ViewSlot,
+    /// The ids the commit in flight may change, for callers answering from the view.
+    pub pending: PendingIds,
+}
+
+/// Which ids the commit in flight may change, as bits of their hash, and an epoch that is odd
+/// while a commit is in flight. A caller answers from the view only for an id no commit in flight
+/// touches, and only if no commit began or ended meanwhile: otherwise the writer decides the id
+/// at an instant earlier than the caller's, and the store's clock would appear to step back along
+/// the order of operations on that key.
+#[derive(Debug)]
+pub(crate) struct PendingIds {
+    epoch: AtomicU64,
+    bits: Box<[AtomicU64]>,
+}
+
+/// Bits in [`PendingIds`]; a collision only sends an op to the writer.
+const PENDING_BITS: usize = 1 << 16;
+
+impl Default for PendingIds {
+    fn default() -> Self {
+        Self {
+            epoch: AtomicU64::new(0),
+            bits: (0..PENDING_BITS / 64).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+impl PendingIds {
+    pub(crate) fn slot(id_bytes: &[u8]) -> (usize, u64) {
+        // The storage key starts with a 32-bit hash of the id.
+        let mut h = [0u8; 4];
+        let n = id_bytes.len().min(4);
+        h[..n].copy_from_slice(&id_bytes[..n]);
+        let bit = u32::from_be_bytes(h) as usize % PENDING_BITS;
+        (bit / 64, 1u64 << (bit % 64))
+    }
+
+    /// The current epoch (odd: a commit is in flight).
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Whether the commit in flight may change the id stored under `id_bytes`.
+    pub(crate) fn may_change(&self, id_bytes: &[u8]) -> bool {
+        let (word, mask) = Self::slot(id_bytes);
+        self.bits[word].load(Ordering::Acquire) & mask != 0
+    }
+
+    /// Marks the slots of a commit's ids, then makes the epoch odd: before it decides anything.
+    fn begin(&self, slots: &[(usize, u64)]) {
+        for &(word, mask) in slots {
+            self.bits[word].fetch_or(mask, Ordering::Relaxed);
+        }
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Makes the epoch even, then clears the commit's slots: once its view is published.
+    fn end(&self, slots: &[(usize, u64)]) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        for &(word, mask) in slots {
+            self.bits[word].fetch_and(!mask, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Where the writer publishes its [`DurableView`] for callers.
@@ -137,6 +200,7 @@ pub(crate) struct Scratch {
     slots: HashMap<Vec<u8>, Slot>,
     decided: Vec<(Answer, bool)>,
     settled: Vec<bool>,
+    pending: Vec<(usize, u64)>,
 }
 
 pub(crate) struct Writer {
@@ -245,6 +309,15 @@ impl Writer {
             }
         }
         let n_ops = ops.len();
+        let pending = &mut scratch.pending;
+        pending.clear();
+        let mut id_buf = Vec::with_capacity(64);
+        for (id, _) in ops.iter() {
+            encode_id(id, &mut id_buf);
+            pending.push(PendingIds::slot(&id_buf));
+        }
+        // Before the decisions' instant is read: see `PendingIds`.
+        self.shared.pending.begin(pending);
         let now_ms = self.clock.now_ms();
         let mut answers: Vec<Option<Answer>> = Vec::with_capacity(n_ops);
         let engine = self.engine.as_mut().expect("checked by the caller");
@@ -285,6 +358,7 @@ impl Writer {
             Ok(()) => {
                 // Before any answer: a caller that has its answer must find it in the view.
                 self.publish_view();
+                self.shared.pending.end(&self.scratch.pending);
                 self.shared.commits_total.fetch_add(1, Ordering::Relaxed);
                 debug_assert_eq!(answers.len(), n_ops);
                 let mut at = 0;
@@ -308,6 +382,7 @@ impl Writer {
             }
             Err(e) => {
                 self.fail(&e);
+                self.shared.pending.end(&self.scratch.pending);
                 let err = || Err(GateError::Store(engine_store_error(&e)));
                 for (n, reply) in replies {
                     match reply {
