@@ -620,3 +620,109 @@ async fn in_a_batch_ops_after_a_change_to_their_id_see_it() {
         "{answers:?}"
     );
 }
+
+/// fjall under a gate the test opens and closes: once armed, a commit waits after its sync (before
+/// the writer publishes its view or answers) until the test releases it.
+struct HeldCommits {
+    inner: Box<dyn dedupgate_embedded::engine::Engine>,
+    hold: Arc<(std::sync::Mutex<(bool, bool)>, std::sync::Condvar)>,
+}
+
+impl dedupgate_embedded::engine::Engine for HeldCommits {
+    fn write(
+        &mut self,
+        body: &mut dedupgate_embedded::engine::TxnBody<'_>,
+    ) -> Result<(), dedupgate_embedded::engine::EngineError> {
+        self.inner.write(body)?;
+        let (lock, cv) = &*self.hold;
+        let mut state = lock.lock().unwrap();
+        if state.0 {
+            // (armed, holding): say we are held, then wait for the release.
+            state.1 = true;
+            cv.notify_all();
+            while state.0 {
+                state = cv.wait(state).unwrap();
+            }
+            state.1 = false;
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn durable_view(&self) -> Option<Arc<dyn dedupgate_embedded::engine::DurableView>> {
+        self.inner.durable_view()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("engine");
+    let hold = Arc::new((
+        std::sync::Mutex::new((false, false)),
+        std::sync::Condvar::new(),
+    ));
+    let opener_hold = hold.clone();
+    let opener: dedupgate_embedded::engine::EngineOpener = Box::new(move || {
+        Ok(Box::new(HeldCommits {
+            inner: Box::new(dedupgate_embedded::engine::FjallEngine::open(&path)?),
+            hold: opener_hold.clone(),
+        }))
+    });
+    let clock = ManualClock::new(1_000_000);
+    let options = EmbeddedOptions {
+        clock: Some(Arc::new(clock.clone())),
+        ..EmbeddedOptions::default()
+    };
+    let store = Arc::new(EmbeddedStore::with_engine(opener, options, "held".into()).unwrap());
+    let short_lease = Op::Claim {
+        ttl_ms: DAY_MS,
+        lease_ms: 1_000,
+        fingerprint: None,
+        owner: None,
+    };
+    let first = store.apply(id("x"), short_lease.clone()).await.unwrap();
+    let Outcome::Claimed(Claim::New(first)) = first else {
+        panic!("{first:?}")
+    };
+    clock.advance(2_000);
+    // A takeover is decided, synced, then held before its view is published.
+    hold.0.lock().unwrap().0 = true;
+    let takeover = tokio::spawn({
+        let store = store.clone();
+        let op = short_lease.clone();
+        async move { store.apply(id("x"), op).await }
+    });
+    {
+        let (lock, cv) = &*hold;
+        let mut state = lock.lock().unwrap();
+        while !state.1 {
+            state = cv.wait(state).unwrap();
+        }
+    }
+    clock.advance(5);
+    // The old snapshot still holds the first claim; a get must not answer from it at a later
+    // instant than the takeover's, but wait for the takeover's commit.
+    let read = tokio::spawn({
+        let store = store.clone();
+        async move { get(store.as_ref(), "x").await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    {
+        let (lock, cv) = &*hold;
+        lock.lock().unwrap().0 = false;
+        cv.notify_all();
+    }
+    let Outcome::Claimed(Claim::New(second)) = takeover.await.unwrap().unwrap() else {
+        panic!("the takeover was not granted")
+    };
+    assert!(second.fence > first.fence);
+    let seen = read.await.unwrap().unwrap().expect("the record");
+    assert_eq!(
+        seen.fence, second.fence,
+        "the get answered from the snapshot the takeover was replacing"
+    );
+}
