@@ -6,8 +6,9 @@
 #     DEDUPGATE_BENCH=0 skips it),
 #   - the same wrk runs against dedupgate serve on memory: (the HTTP face without the durable
 #     commit, for attribution),
-#   - redis-benchmark -c 50 -P 1 and -P 16 for SET key:__rand_int__ 1 NX EX 86400 -r 1000000
-#     against the machine's Redis (db 15, its keys removed afterwards),
+#   - redis-benchmark -c 50 -P 1 right before the single-claim run and -P 16 right before the
+#     batch run, SET key:__rand_int__ 1 NX EX 86400 -r 1000000 against the machine's Redis (db 15,
+#     its keys removed afterwards),
 # then prints a markdown table with the ratios and the CPU each side used. Every wrk key is
 # unique, so every answer must be a 200 "new"; a run with any other answer is marked INVALID and
 # the script exits 1. wrk waits up to 10 s for an answer (the server's own request timeout).
@@ -95,22 +96,8 @@ PY
 }
 
 echo "# $(date -u +%FT%TZ) $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); wrk -t$WRK_THREADS -c$CONNS, ${SECS}s per run, batch $BATCH" >&2
-start_server "embedded:$WORK/data" serve
-echo "# $(head -n1 "$WORK/serve.log" | sed 's/.*listening/listening/')" >&2
-wrk_run emb-single scripts/wrk-claim.lua "$RUN_ID-es"
-wrk_run emb-batch scripts/wrk-batch.lua "$RUN_ID-eb" "$BATCH"
-if [ "$DEDUPGATE_BENCH" = 1 ]; then
-  bench_run bench-single --mode single
-  bench_run bench-batch --mode batch --batch-size "$BATCH"
-fi
-stop_server
-
-start_server memory: serve-mem
-wrk_run mem-single scripts/wrk-claim.lua "$RUN_ID-ms"
-wrk_run mem-batch scripts/wrk-batch.lua "$RUN_ID-mb" "$BATCH"
-stop_server
-
-# Redis: about as many requests as the single-claim HTTP run sent, at least 200k (4x at -P 16).
+# Redis beside each gate run, so a pair is measured within seconds of each other on a machine
+# whose load moves: about SECS seconds of requests at the rates of an idle run.
 REDIS_PID=$(redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" info server | tr -d '\r' | sed -n 's/^process_id://p')
 redis_run() { # $1 = name, $2 = pipeline depth, $3 = requests
   local before after start end
@@ -132,11 +119,25 @@ json.dump({"ops_per_s": float(row[1]), "p50_ms": float(row[4]), "p99_ms": float(
            "gen_cores": (user + sys_) / secs}, open(f"{work}/{name}.json", "w"))
 PY
 }
-N1=$(python3 -c "import json; print(max(200000, int(json.load(open('$WORK/emb-single.json'))['ops_per_s']*$SECS)))")
-redis_run redis1 1 "$N1"
-redis_run redis16 16 $((N1 * 4))
+start_server "embedded:$WORK/data" serve
+echo "# $(head -n1 "$WORK/serve.log" | sed 's/.*listening/listening/')" >&2
+redis_run redis1 1 $((70000 * SECS))
+wrk_run emb-single scripts/wrk-claim.lua "$RUN_ID-es"
+redis_run redis16 16 $((350000 * SECS))
+wrk_run emb-batch scripts/wrk-batch.lua "$RUN_ID-eb" "$BATCH"
+if [ "$DEDUPGATE_BENCH" = 1 ]; then
+  bench_run bench-single --mode single
+  bench_run bench-batch --mode batch --batch-size "$BATCH"
+fi
+stop_server
 redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" --scan --pattern 'key:*' \
   | xargs -r -n 10000 redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" unlink >/dev/null || true
+
+start_server memory: serve-mem
+wrk_run mem-single scripts/wrk-claim.lua "$RUN_ID-ms"
+wrk_run mem-batch scripts/wrk-batch.lua "$RUN_ID-mb" "$BATCH"
+stop_server
+
 echo "# done $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
 python3 - "$WORK" "$CONNS" "$BATCH" "$WRK_THREADS" "$DEDUPGATE_BENCH" <<'PY'
