@@ -7,70 +7,31 @@
 //! writes refused by the sink and stale completions refused by the gate, not just zero
 //! violations.
 
-use std::path::PathBuf;
+mod common;
 
-use dedupgate_torture::runner::{self, Face, RunConfig, RunReport};
+use common::{assert_all_cycles_ran, assert_linearizable, assert_oracle_ok, pg_url, redis_url};
+use dedupgate_torture::runner::{Face, RunConfig, RunReport};
 
-fn exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
-}
-
-fn redis_url() -> String {
-    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-fn pg_url() -> String {
-    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
-
+/// Lease holders are paused on 8% of cycles unless a test's `tweak` says otherwise.
 async fn torture(
     store: &str,
     face: Face,
     cycles: u64,
     tweak: impl FnOnce(&mut RunConfig),
 ) -> RunReport {
-    let seed = dedupgate_torture::seed(&format!("torture {store} {face:?}"));
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
-    cfg.pause_pct = 8;
-    tweak(&mut cfg);
-    let report = runner::run(cfg)
-        .await
-        .expect("the run could be carried out");
-    eprintln!("{}", report.summary());
-    report
+    common::torture("torture", store, face, cycles, |c| {
+        c.pause_pct = 8;
+        tweak(c);
+    })
+    .await
 }
 
 fn assert_clean(r: &RunReport) {
     let seed = r.config.seed;
-    assert!(
-        r.oracle.duplicates.is_empty(),
-        "seed {seed}: duplicates {:#?}",
-        r.oracle.duplicates
-    );
-    assert!(
-        r.oracle.lost.is_empty(),
-        "seed {seed}: lost {:#?}",
-        r.oracle.lost
-    );
-    assert!(
-        r.oracle.fence_violations.is_empty(),
-        "seed {seed}: fences {:#?}",
-        r.oracle.fence_violations
-    );
-    assert!(
-        r.oracle.replay_mismatches.is_empty(),
-        "seed {seed}: replays {:#?}",
-        r.oracle.replay_mismatches
-    );
-    assert!(
-        r.lin_violations.is_empty(),
-        "seed {seed}: {:#?}",
-        r.lin_violations
-    );
+    assert_oracle_ok(r);
+    assert_linearizable(r);
     // The faults fired and were seen doing what they are for.
-    assert_eq!(r.faults.cycles, r.config.cycles, "seed {seed}");
+    assert_all_cycles_ran(r);
     assert!(
         r.faults.worker_sigkills > 0,
         "seed {seed}: no worker was killed"

@@ -3,22 +3,10 @@
 //! jumps only backward and the store's clock must never go back. Each run prints its seed;
 //! replay one with `DEDUPGATE_TORTURE_SEED=…`.
 
-use std::path::PathBuf;
+mod common;
 
+use common::{exe, pg_url, redis_url};
 use dedupgate_torture::clock_jumps::{self, ClockJumpConfig, ClockJumpReport};
-
-fn exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
-}
-
-fn redis_url() -> String {
-    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-fn pg_url() -> String {
-    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 async fn jump(store: &str, dir: &std::path::Path) -> ClockJumpReport {
     let seed = dedupgate_torture::seed(&format!("clock jumps over {store}"));

@@ -7,23 +7,11 @@
 //! The `dedupgate` binary must sit next to `dedupgate-torture` (`cargo test --workspace` builds
 //! it; alone: `cargo build -p dedupgate`).
 
-use std::path::PathBuf;
+mod common;
 
-use dedupgate_torture::runner::{self, Face, RunConfig, RunReport};
+use common::{assert_all_cycles_ran, assert_no_wrong_errors, assert_oracle_ok, pg_url, redis_url};
+use dedupgate_torture::runner::{Face, RunConfig, RunReport};
 use dedupgate_torture::tcpfault::TcpFaultPlan;
-
-fn exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
-}
-
-fn redis_url() -> String {
-    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-fn pg_url() -> String {
-    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 async fn torture(
     store: &str,
@@ -31,33 +19,14 @@ async fn torture(
     cycles: u64,
     tweak: impl FnOnce(&mut RunConfig),
 ) -> RunReport {
-    let seed = dedupgate_torture::seed(&format!("faces {store} {face:?}"));
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
-    tweak(&mut cfg);
-    let report = runner::run(cfg)
-        .await
-        .expect("the run could be carried out (is the dedupgate binary built?)");
-    eprintln!("{}", report.summary());
-    report
+    common::torture("faces", store, face, cycles, tweak).await
 }
 
 fn assert_clean(r: &RunReport) {
     let seed = r.config.seed;
-    assert!(
-        r.oracle.ok(),
-        "seed {seed}: duplicates {:#?} lost {:#?} fences {:#?} replays {:#?}",
-        r.oracle.duplicates,
-        r.oracle.lost,
-        r.oracle.fence_violations,
-        r.oracle.replay_mismatches
-    );
-    assert!(
-        r.wrong_errors.is_empty(),
-        "seed {seed}: {:#?}",
-        r.wrong_errors
-    );
-    assert_eq!(r.faults.cycles, r.config.cycles, "seed {seed}");
+    assert_oracle_ok(r);
+    assert_no_wrong_errors(r);
+    assert_all_cycles_ran(r);
     assert!(
         r.faults.worker_sigkills > 0,
         "seed {seed}: no worker killed"

@@ -8,23 +8,14 @@
 //! `unavailable` only: never a wrong error, never a wrong new or duplicate (the oracles I1-I5
 //! and linearizability, timed-out calls unknown).
 
-use std::path::PathBuf;
+mod common;
 
-use dedupgate_torture::runner::{self, Face, RunConfig, RunReport};
+use common::{
+    assert_all_cycles_ran, assert_linearizable, assert_no_wrong_errors, assert_oracle_ok, pg_url,
+    redis_url,
+};
+use dedupgate_torture::runner::{Face, RunConfig, RunReport};
 use dedupgate_torture::tcpfault::TcpFaultPlan;
-
-fn exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
-}
-
-fn redis_url() -> String {
-    std::env::var("DEDUPGATE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
-
-fn pg_url() -> String {
-    std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
 
 async fn torture(
     store: &str,
@@ -32,38 +23,15 @@ async fn torture(
     cycles: u64,
     tweak: impl FnOnce(&mut RunConfig),
 ) -> RunReport {
-    let seed = dedupgate_torture::seed(&format!("net faults {store} {face:?}"));
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
-    tweak(&mut cfg);
-    let report = runner::run(cfg)
-        .await
-        .expect("the run could be carried out");
-    eprintln!("{}", report.summary());
-    report
+    common::torture("net faults", store, face, cycles, tweak).await
 }
 
 fn assert_clean(r: &RunReport) {
     let seed = r.config.seed;
-    assert!(
-        r.oracle.ok(),
-        "seed {seed}: duplicates {:#?} lost {:#?} fences {:#?} replays {:#?}",
-        r.oracle.duplicates,
-        r.oracle.lost,
-        r.oracle.fence_violations,
-        r.oracle.replay_mismatches
-    );
-    assert!(
-        r.lin_violations.is_empty(),
-        "seed {seed}: {:#?}",
-        r.lin_violations
-    );
-    assert!(
-        r.wrong_errors.is_empty(),
-        "seed {seed}: answers no fault may produce: {:#?}",
-        r.wrong_errors
-    );
-    assert_eq!(r.faults.cycles, r.config.cycles, "seed {seed}");
+    assert_oracle_ok(r);
+    assert_linearizable(r);
+    assert_no_wrong_errors(r);
+    assert_all_cycles_ran(r);
     assert!(r.lin_ops > 0, "seed {seed}");
 }
 

@@ -4,17 +4,15 @@
 //! with `DEDUPGATE_TORTURE_SEED=…`. Each asserts that its faults fired, not only that nothing
 //! broke.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::exe;
 use dedupgate_torture::storage_faults::{
     self, build_shim, simulate_power_loss, snapshot, StorageFaultConfig,
 };
-
-fn exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_dedupgate-torture"))
-}
 
 fn cfg(dir: &std::path::Path, what: &str, episodes: u64) -> StorageFaultConfig {
     let seed = dedupgate_torture::seed(what);
