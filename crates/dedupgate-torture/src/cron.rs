@@ -17,7 +17,7 @@
 //! claim's lease could have ended is a duplicate.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -29,7 +29,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::history::{wall_ns, Event, HAnswer, HOp};
-use crate::ledger::{Effect, Sink};
+use crate::ledger::{Effect, JsonlLog, Sink};
 use crate::oracle::OracleReport;
 use crate::worker::{Delivery, DeliveryMode};
 
@@ -95,23 +95,19 @@ pub enum CronLine {
 /// A cron log, appended one line per `write(2)`, like the answer logs.
 #[derive(Debug)]
 pub struct CronLog {
-    file: std::fs::File,
+    file: JsonlLog,
 }
 
 impl CronLog {
     /// Creates `cron-<worker>.jsonl` in `run_dir`.
     pub fn create(run_dir: &Path, worker: &str) -> io::Result<Self> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(run_dir.join(format!("cron-{worker}.jsonl")))?;
-        Ok(Self { file })
+        Ok(Self {
+            file: JsonlLog::create(run_dir, "cron", worker)?,
+        })
     }
 
     fn line(&mut self, l: &CronLine) -> io::Result<()> {
-        let mut v = serde_json::to_vec(l).map_err(io::Error::other)?;
-        v.push(b'\n');
-        self.file.write_all(&v)
+        self.file.line(l)
     }
 }
 
@@ -280,15 +276,7 @@ pub fn effect_main(
 /// Every line of every cron log of a run.
 pub fn read_cron_logs(run_dir: &Path) -> io::Result<Vec<CronLine>> {
     let mut out = Vec::new();
-    let mut names: Vec<PathBuf> = std::fs::read_dir(run_dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("cron-") && n.ends_with(".jsonl"))
-        })
-        .collect();
-    names.sort();
+    let names = JsonlLog::list(run_dir, "cron")?;
     for p in names {
         let text = std::fs::read_to_string(&p)?;
         // A torn last line (the worker was killed inside its write) is skipped.
@@ -667,9 +655,9 @@ mod tests {
         check(effects, &lines, events, &[delivery(mode)].into(), 300).0
     }
 
-    #[test]
-    fn a_takeover_after_the_lease_is_a_re_execution() {
-        // a was killed (no end line) after its effect; b claimed 400 ms later and ran.
+    /// `a` started and was killed (no end line) after its effect at fence 1_000_000; `b` then ran
+    /// to exit 0 with its effect at `b_fence` and is the stored run.
+    fn killed_a_then_b_ran(b_fence: u64) -> OracleReport {
         let mut lines = run("b", DeliveryMode::Retriable, 2, Some(0), "");
         lines.insert(
             0,
@@ -679,35 +667,26 @@ mod tests {
                 at_ns: 0,
             },
         );
-        let fx = [effect("a", 1_000_000), effect("b", 1_400_000)];
-        let r = check1(
+        let fx = [effect("a", 1_000_000), effect("b", b_fence)];
+        check1(
             &fx,
             lines,
             &final_read("h:2", "{\"attempt\":\"b\"}"),
             DeliveryMode::Retriable,
-        );
+        )
+    }
+
+    #[test]
+    fn a_takeover_after_the_lease_is_a_re_execution() {
+        // a was killed (no end line) after its effect; b claimed 400 ms later and ran.
+        let r = killed_a_then_b_ran(1_400_000);
         assert!(r.ok(), "{r:?}");
         assert_eq!(r.reexecutions, 1);
     }
 
     #[test]
     fn a_takeover_inside_the_lease_or_after_an_acknowledged_run_is_a_duplicate() {
-        let mut lines = run("b", DeliveryMode::Retriable, 2, Some(0), "");
-        lines.insert(
-            0,
-            CronLine::Start {
-                attempt: "a".into(),
-                delivery: delivery(DeliveryMode::Retriable),
-                at_ns: 0,
-            },
-        );
-        let fx = [effect("a", 1_000_000), effect("b", 1_100_000)];
-        let r = check1(
-            &fx,
-            lines,
-            &final_read("h:2", "{\"attempt\":\"b\"}"),
-            DeliveryMode::Retriable,
-        );
+        let r = killed_a_then_b_ran(1_100_000);
         assert_eq!(r.duplicates.len(), 1, "{r:?}");
 
         let mut lines = run("a", DeliveryMode::Retriable, 1, Some(0), "");

@@ -178,27 +178,62 @@ enum LogLine {
     },
 }
 
+/// An append-only JSON-lines log, one `write(2)` per line, so a killed writer leaves at most
+/// one torn line at the end (the answer, cron and proxy-face logs all are one).
+#[derive(Debug)]
+pub(crate) struct JsonlLog {
+    file: File,
+}
+
+impl JsonlLog {
+    /// Opens (creating) `<prefix>-<worker>.jsonl` in `run_dir` for appending.
+    pub(crate) fn create(run_dir: &Path, prefix: &str, worker: &str) -> io::Result<Self> {
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(run_dir.join(format!("{prefix}-{worker}.jsonl")))?;
+        Ok(Self { file })
+    }
+
+    /// Every `<prefix>-*.jsonl` in `run_dir`, sorted by name.
+    pub(crate) fn list(run_dir: &Path, prefix: &str) -> io::Result<Vec<PathBuf>> {
+        let start = format!("{prefix}-");
+        let mut names: Vec<PathBuf> = std::fs::read_dir(run_dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&start) && n.ends_with(".jsonl"))
+            })
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    /// Appends `l` as one line.
+    pub(crate) fn line<T: Serialize>(&mut self, l: &T) -> io::Result<()> {
+        let mut v = serde_json::to_vec(l).map_err(io::Error::other)?;
+        v.push(b'\n');
+        self.file.write_all(&v)
+    }
+}
+
 /// The log of every gate answer one worker process got.
 #[derive(Debug)]
 pub struct AnswerLog {
-    file: File,
+    file: JsonlLog,
     seq: u64,
 }
 
 impl AnswerLog {
     /// Creates `answers-<client>.jsonl` in `run_dir`.
     pub fn create(run_dir: &Path, client: &str) -> io::Result<Self> {
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(run_dir.join(format!("answers-{client}.jsonl")))?;
+        let file = JsonlLog::create(run_dir, "answers", client)?;
         Ok(Self { file, seq: 0 })
     }
 
     fn line(&mut self, l: &LogLine) -> io::Result<()> {
-        let mut v = serde_json::to_vec(l).map_err(io::Error::other)?;
-        v.push(b'\n');
-        self.file.write_all(&v)
+        self.file.line(l)
     }
 
     /// Logs a call about to be sent; returns its sequence number.
@@ -229,15 +264,7 @@ impl AnswerLog {
 /// (its process was killed) is unknown.
 pub fn read_answer_logs(run_dir: &Path) -> io::Result<Vec<Event>> {
     let mut events = Vec::new();
-    let mut names: Vec<PathBuf> = std::fs::read_dir(run_dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("answers-") && n.ends_with(".jsonl"))
-        })
-        .collect();
-    names.sort();
+    let names = JsonlLog::list(run_dir, "answers")?;
     for path in names {
         let client = path
             .file_stem()

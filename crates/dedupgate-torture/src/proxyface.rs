@@ -21,9 +21,9 @@
 //! checks rest on times and answers only.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{self, Write};
+use std::io;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,7 +32,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::history::wall_ns;
-use crate::ledger::{Effect, Sink};
+use crate::ledger::{Effect, JsonlLog, Sink};
 use crate::oracle::OracleReport;
 use crate::worker::Delivery;
 
@@ -200,23 +200,19 @@ pub enum PxLine {
 /// A proxy-face log, one line per `write(2)`.
 #[derive(Debug)]
 pub struct PxLog {
-    file: std::fs::File,
+    file: JsonlLog,
 }
 
 impl PxLog {
     /// Creates `px-<worker>.jsonl` in `run_dir`.
     pub fn create(run_dir: &Path, worker: &str) -> io::Result<Self> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(run_dir.join(format!("px-{worker}.jsonl")))?;
-        Ok(Self { file })
+        Ok(Self {
+            file: JsonlLog::create(run_dir, "px", worker)?,
+        })
     }
 
     fn line(&mut self, l: &PxLine) -> io::Result<()> {
-        let mut v = serde_json::to_vec(l).map_err(io::Error::other)?;
-        v.push(b'\n');
-        self.file.write_all(&v)
+        self.file.line(l)
     }
 }
 
@@ -329,15 +325,7 @@ pub async fn deliver(
 /// Every line of every proxy-face log of a run, with the writer's name.
 pub fn read_px_logs(run_dir: &Path) -> io::Result<Vec<(String, PxLine)>> {
     let mut out = Vec::new();
-    let mut names: Vec<PathBuf> = std::fs::read_dir(run_dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("px-") && n.ends_with(".jsonl"))
-        })
-        .collect();
-    names.sort();
+    let names = JsonlLog::list(run_dir, "px")?;
     for p in names {
         let who = p
             .file_stem()
