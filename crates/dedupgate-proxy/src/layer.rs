@@ -33,8 +33,11 @@ use crate::BoxError;
 
 /// Longest pause between polls of an in-flight duplicate under `wait`.
 const WAIT_POLL_MS_MAX: u64 = 250;
-/// Attempts at storing a completed response when the store is briefly unavailable.
-const COMPLETE_ATTEMPTS_MAX: u32 = 3;
+/// Longest pause between attempts at storing a completed response while the store is unavailable.
+const COMPLETE_BACKOFF_MS_MAX: u64 = 1_000;
+/// Longest the proxy keeps trying to store a completed response (at most the lease, renewed
+/// meanwhile) before it answers 503 instead of the response it could not store.
+const COMPLETE_DEADLINE_MS_MAX: u64 = 30_000;
 
 struct Shared {
     store: Arc<dyn Store>,
@@ -546,9 +549,29 @@ where
         }
         Attempt::Done { stored, first } => {
             let result = stored.to_result(config.sealer.as_ref(), &aad(id));
-            complete(shared, id, token, result).await;
-            timings("response stored");
-            Ok(first)
+            let stored = with_lease(shared, id, &token, complete(shared, id, &token, result)).await;
+            match stored {
+                Ok(()) => {
+                    timings("response stored");
+                    Ok(first)
+                }
+                Err(why) => {
+                    // API.md: a final response is stored, then returned. One that could not be
+                    // stored is not returned as if it had been: a caller told "done" does not
+                    // retry, and a retry after the lease runs out would run the request again.
+                    timings("response not stored");
+                    Ok(problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "unavailable",
+                        format!(
+                            "the upstream processed this request, but its response could not be \
+                             stored ({why}); its outcome is unknown to the proxy: a retry with \
+                             this Idempotency-Key gets 409 while the claim's lease lasts and may \
+                             run the request again after it runs out"
+                        ),
+                    ))
+                }
+            }
         }
     }
 }
@@ -590,24 +613,40 @@ async fn release(shared: &Shared, id: &RecordId, token: Token) {
     }
 }
 
-async fn complete(shared: &Shared, id: &RecordId, token: Token, result: serde_json::Value) {
-    for attempt in 1..=COMPLETE_ATTEMPTS_MAX {
+/// Stores a completed response, retrying with backoff while the store is unavailable, for up to
+/// the lease (at most [`COMPLETE_DEADLINE_MS_MAX`]); the caller keeps the lease alive meanwhile.
+/// Any other answer (the lease was lost, say) ends the attempts at once.
+async fn complete(
+    shared: &Shared,
+    id: &RecordId,
+    token: &Token,
+    result: serde_json::Value,
+) -> Result<(), String> {
+    let deadline = Instant::now()
+        + Duration::from_millis(shared.config.lease_ms.min(COMPLETE_DEADLINE_MS_MAX));
+    let mut backoff_ms = 50;
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
         let op = Op::Complete {
             token: token.clone(),
             result: Some(result.clone()),
             ttl_ms: Some(shared.config.ttl_ms),
         };
         match shared.store.apply(id.clone(), op).await {
-            Ok(_) => return,
-            Err(GateError::Store(e)) if attempt < COMPLETE_ATTEMPTS_MAX => {
+            Ok(_) => return Ok(()),
+            Err(GateError::Store(e)) if Instant::now() < deadline => {
                 tracing::warn!(error = %e, attempt, "could not store a response; retrying");
-                tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+                backoff_ms = (backoff_ms * 2).min(COMPLETE_BACKOFF_MS_MAX);
             }
             Err(e) => {
-                // The response still goes to the caller; a retry after the lease runs out may
-                // run the request again. Loud, because this is the one unsafe gap.
-                tracing::error!(error = %e, "a processed request's response was not stored");
-                return;
+                tracing::error!(
+                    error = %e,
+                    attempt,
+                    "a processed request's response was not stored; answering 503"
+                );
+                return Err(e.to_string());
             }
         }
     }
