@@ -14,9 +14,12 @@ pub mod serve;
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,dedupgate=info"));
+    // Colours only on a terminal: logs sent to a file or a collector stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .init();
 }
 
