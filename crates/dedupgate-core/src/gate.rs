@@ -303,9 +303,42 @@ impl Gate {
         Fut: Future<Output = Result<T, E>>,
         T: Serialize,
     {
+        self.run_with(namespace, key, mode, ClaimOptions::default(), handler)
+            .await
+    }
+
+    /// [`Gate::run`] with options: a payload `fingerprint` (a redelivery of the key with another
+    /// payload is then [`GateError::FingerprintMismatch`], never a duplicate), `ttl_ms`, and in
+    /// retriable mode `lease_ms` (also the keep-alive's period basis) and `owner`. Idempotent
+    /// mode uses only `ttl_ms` and `fingerprint`.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use dedupgate_core::{ClaimOptions, Gate, GateError, MemoryStore, Mode, RunError};
+    /// let gate = Gate::new(MemoryStore::new());
+    /// let opts = |fp: &str| ClaimOptions { fingerprint: Some(fp.into()), ..Default::default() };
+    /// let ok = || async { Ok::<_, std::io::Error>(1u8) };
+    /// assert!(gate.run_with("orders", "o-1", Mode::Retriable, opts("aa"), ok).await.unwrap().ran());
+    /// let reused = gate.run_with("orders", "o-1", Mode::Retriable, opts("bb"), ok).await;
+    /// assert!(matches!(reused, Err(RunError::Gate(GateError::FingerprintMismatch))));
+    /// # });
+    /// ```
+    pub async fn run_with<F, Fut, T, E>(
+        &self,
+        namespace: &str,
+        key: &str,
+        mode: Mode,
+        opts: ClaimOptions,
+        handler: F,
+    ) -> Result<Run<T>, RunError<E>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize,
+    {
         match mode {
             Mode::Idempotent => match self
-                .mark(namespace, key, None, None, None)
+                .mark(namespace, key, opts.ttl_ms, opts.fingerprint, None)
                 .await
                 .map_err(RunError::Gate)?
             {
@@ -313,8 +346,9 @@ impl Gate {
                 Mark::New { .. } => handler().await.map(Run::Ran).map_err(RunError::Handler),
             },
             Mode::Retriable => {
+                let lease_ms = opts.lease_ms.unwrap_or(self.defaults.lease_ms);
                 let lease = match self
-                    .claim(namespace, key, ClaimOptions::default())
+                    .claim(namespace, key, opts)
                     .await
                     .map_err(RunError::Gate)?
                 {
@@ -322,7 +356,7 @@ impl Gate {
                     Claim::New(lease) => lease,
                 };
                 let outcome = self
-                    .while_held(namespace, key, &lease.token, handler())
+                    .while_held(namespace, key, &lease.token, lease_ms, handler())
                     .await;
                 match outcome {
                     Ok(value) => {
@@ -348,9 +382,9 @@ impl Gate {
         namespace: &str,
         key: &str,
         token: &Token,
+        lease_ms: u64,
         work: impl Future<Output = T>,
     ) -> T {
-        let lease_ms = self.defaults.lease_ms;
         let period = Duration::from_millis((lease_ms / 3).max(1));
         let keep_alive = async {
             loop {

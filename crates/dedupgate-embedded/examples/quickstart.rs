@@ -1,7 +1,7 @@
 //! The README's library quickstart on the embedded durable store:
 //! `cargo run -p dedupgate-embedded --example quickstart`.
 //!
-//! Run it twice: the second run finds both events already handled in ./dedupgate-data, because
+//! Run it twice: the second run finds both events already handled in ./dedupgate-example-data, because
 //! every answer was fsync'd before it was given.
 
 use dedupgate_core::{Gate, Mode, Run};
@@ -10,7 +10,7 @@ use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gate = Gate::new(EmbeddedStore::open(
-        "./dedupgate-data",
+        "./dedupgate-example-data",
         EmbeddedOptions::default(),
     )?);
 

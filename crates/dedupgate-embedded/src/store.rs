@@ -1,6 +1,8 @@
 //! [`EmbeddedStore`]: opening a directory, and the [`Store`] face over the writer thread.
 
+use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
+use std::hash::BuildHasherDefault;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
@@ -542,6 +544,41 @@ impl EmbeddedStore {
     }
 }
 
+/// A 64-bit FNV-1a hash of an id, for the set of ids a batch sent to the writer: a
+/// `HashSet<RecordId>` (two string clones and a SipHash of both per op, and rehashing as it
+/// grew) cost ~7% of a `dedup --ledger` run's CPU.
+fn id_hash(id: &RecordId) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let ns = id.namespace.as_str().as_bytes();
+    let key = id.key.as_str().as_bytes();
+    // The namespace's length first, so (ns, key) pairs that concatenate alike differ.
+    for &b in [ns.len() as u8].iter().chain(ns).chain(key) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// A hasher that passes a `u64` (already a hash) through.
+#[derive(Default)]
+struct PassThrough(u64);
+
+impl std::hash::Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 fn writer_gone() -> StoreError {
     StoreError::Unavailable("the embedded store's writer stopped before answering".into())
 }
@@ -625,10 +662,13 @@ impl Store for EmbeddedStore {
         // Answer what the durable view can; the rest goes to the writer in order. Once an id has
         // an op for the writer, its later ops follow it there, so they see its change.
         let mut answers: Vec<Option<Result<Outcome, GateError>>> = Vec::with_capacity(n);
-        let mut to_writer: Vec<(RecordId, Op)> = Vec::new();
-        let mut writer_ids: std::collections::HashSet<RecordId> = Default::default();
+        let mut to_writer: Vec<(RecordId, Op)> = Vec::with_capacity(n);
+        // Hashes of the ids sent to the writer so far (a collision only sends an op there too).
+        let mut writer_ids: HashSet<u64, BuildHasherDefault<PassThrough>> =
+            HashSet::with_capacity_and_hasher(n, Default::default());
         for (id, op) in ops {
-            let from_view = if writer_ids.contains(&id) {
+            let hash = id_hash(&id);
+            let from_view = if writer_ids.contains(&hash) {
                 None
             } else {
                 self.try_view(&id, &op)
@@ -637,7 +677,7 @@ impl Store for EmbeddedStore {
                 Some(answer) => answers.push(Some(answer)),
                 None => {
                     answers.push(None);
-                    writer_ids.insert(id.clone());
+                    writer_ids.insert(hash);
                     to_writer.push((id, op));
                 }
             }

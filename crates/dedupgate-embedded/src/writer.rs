@@ -3,7 +3,8 @@
 //! Loop: block for one request, drain more without waiting (up to `batch_ops_max` ops), read
 //! each op's current entry, [`decide`] the ops in order over an overlay (so a later op on the
 //! same id sees an earlier one), write every changed entry and its expiry-index key in one
-//! transaction, commit (one fsync), and only then answer every waiter. A failed transaction or
+//! transaction, commit (one fsync), and only then answer every waiter (a commit with many
+//! waiters hands its answers to an answer thread, see [`Delivery`]). A failed transaction or
 //! commit answers the whole batch "unavailable", drops the engine and reopens it from disk; until
 //! that succeeds every request is answered "unavailable" and nothing is acknowledged.
 
@@ -197,10 +198,106 @@ struct Slot {
 #[derive(Default)]
 pub(crate) struct Scratch {
     ops: Vec<(RecordId, Op)>,
+    /// Every op's storage key, encoded once per batch, back to back; `key_ends[i]` ends op i's.
+    keys: Vec<u8>,
+    key_ends: Vec<usize>,
     slots: HashMap<Vec<u8>, Slot>,
     decided: Vec<(Answer, bool)>,
     settled: Vec<bool>,
     pending: Vec<(usize, u64)>,
+    /// The thread that sends a durable commit's answers (see [`Delivery`]).
+    delivery: Delivery,
+}
+
+/// A commit's replies (each with how many ops it answers; `None` once answered early) and its
+/// answers, in op order.
+type Answers = (Vec<(usize, Option<Reply>)>, Vec<Option<Answer>>);
+
+/// Commits whose replies reach this many callers have them sent by a thread of their own.
+/// Waking a waiting task costs the waker a few microseconds (on 2 cores, the woken runtime
+/// threads also preempt it): sending 64 answers held the writer for ~180 µs per commit, during
+/// which the callers it had already woken queued their next ops and waited. Handed over, the
+/// writer gathers and decides those ops while the rest are woken: 1.7-1.9x the claims/s at 64
+/// callers when the sync is not the bound (measured with the sync off), within noise when it
+/// is. Smaller commits (one caller) answer directly: a thread hop would only add latency.
+const DELIVERY_REPLIES_MIN: usize = 8;
+
+/// The answer thread: started with the first commit that needs it, ended (after sending
+/// everything handed to it) when the writer stops. Answers are handed over only after their
+/// commit is durable and its view is published, exactly when the writer would have sent them;
+/// a later send is still correct (an acknowledgement may arrive late, never early).
+#[derive(Default)]
+struct Delivery {
+    thread: Option<(
+        std::sync::mpsc::Sender<Answers>,
+        std::thread::JoinHandle<()>,
+    )>,
+    /// Set when the thread could not be started: the writer sends answers itself.
+    unavailable: bool,
+}
+
+impl Delivery {
+    /// Sends `answers` now, or hands them to the answer thread when they reach enough callers.
+    fn send(&mut self, answers: Answers) {
+        if answers.0.len() < DELIVERY_REPLIES_MIN || self.unavailable {
+            return send_answers(answers);
+        }
+        if self.thread.is_none() {
+            let (tx, rx) = std::sync::mpsc::channel::<Answers>();
+            let spawned = std::thread::Builder::new()
+                .name("dedupgate-answers".into())
+                .spawn(move || {
+                    while let Ok(answers) = rx.recv() {
+                        send_answers(answers);
+                    }
+                });
+            match spawned {
+                Ok(handle) => self.thread = Some((tx, handle)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no answer thread; the writer sends answers itself");
+                    self.unavailable = true;
+                    return send_answers(answers);
+                }
+            }
+        }
+        let (tx, _) = self.thread.as_ref().expect("started above");
+        if let Err(std::sync::mpsc::SendError(answers)) = tx.send(answers) {
+            // The thread is gone (it panicked): send them here, and from now on.
+            self.thread = None;
+            self.unavailable = true;
+            send_answers(answers);
+        }
+    }
+
+    /// Waits until everything handed over has been sent.
+    fn stop(&mut self) {
+        if let Some((tx, handle)) = self.thread.take() {
+            drop(tx);
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Sends each reply its answers.
+fn send_answers((replies, mut answers): Answers) {
+    let mut at = 0;
+    for (n, reply) in replies {
+        let mine = &mut answers[at..at + n];
+        at += n;
+        match reply {
+            Some(Reply::One(tx)) => {
+                let _ = tx.send(mine[0].take().expect("one answer per op"));
+            }
+            Some(Reply::Many(tx)) => {
+                let _ = tx.send(
+                    mine.iter_mut()
+                        .map(|a| a.take().expect("one answer per op"))
+                        .collect(),
+                );
+            }
+            None => {}
+        }
+    }
 }
 
 pub(crate) struct Writer {
@@ -309,12 +406,20 @@ impl Writer {
             }
         }
         let n_ops = ops.len();
-        let pending = &mut scratch.pending;
+        let (pending, keys, key_ends) = (
+            &mut scratch.pending,
+            &mut scratch.keys,
+            &mut scratch.key_ends,
+        );
         pending.clear();
+        keys.clear();
+        key_ends.clear();
         let mut id_buf = Vec::with_capacity(64);
         for (id, _) in ops.iter() {
             encode_id(id, &mut id_buf);
             pending.push(PendingIds::slot(&id_buf));
+            keys.extend_from_slice(&id_buf);
+            key_ends.push(keys.len());
         }
         // Before the decisions' instant is read: see `PendingIds`.
         self.shared.pending.begin(pending);
@@ -326,11 +431,18 @@ impl Writer {
             &mut scratch.decided,
             &mut scratch.settled,
         );
+        let (keys, key_ends) = (&scratch.keys, &scratch.key_ends);
         let index_seq = &mut self.index_seq;
         let result = engine.write(&mut |txn: &mut dyn Txn| {
             decided.clear();
             slots.clear();
-            let commit = decide_all(txn, ops.drain(..), now_ms, slots, decided, index_seq);
+            preload(txn, ops, keys, key_ends, slots)?;
+            let ops_keys = ops.drain(..).zip(key_ends.iter().scan(0, |start, &end| {
+                let key = &keys[*start..end];
+                *start = end;
+                Some(key)
+            }));
+            let commit = decide_all(txn, ops_keys, now_ms, slots, decided, index_seq);
             slots.clear();
             let commit = commit?;
             answers.clear();
@@ -361,24 +473,7 @@ impl Writer {
                 self.shared.pending.end(&self.scratch.pending);
                 self.shared.commits_total.fetch_add(1, Ordering::Relaxed);
                 debug_assert_eq!(answers.len(), n_ops);
-                let mut at = 0;
-                for (n, reply) in replies {
-                    let mine = &mut answers[at..at + n];
-                    at += n;
-                    match reply {
-                        Some(Reply::One(tx)) => {
-                            let _ = tx.send(mine[0].take().expect("one answer per op"));
-                        }
-                        Some(Reply::Many(tx)) => {
-                            let _ = tx.send(
-                                mine.iter_mut()
-                                    .map(|a| a.take().expect("one answer per op"))
-                                    .collect(),
-                            );
-                        }
-                        None => {}
-                    }
-                }
+                self.scratch.delivery.send((replies, answers));
             }
             Err(e) => {
                 self.fail(&e);
@@ -448,6 +543,7 @@ impl Writer {
     /// Clean shutdown: lets a healthy engine tidy its files for a fast reopen. A failure here
     /// loses nothing acknowledged (it is all durable already); it only makes the next open slower.
     fn close(&mut self) {
+        self.scratch.delivery.stop();
         self.shared.view.set(None);
         if let Some(engine) = self.engine.as_mut() {
             let started = Instant::now();
@@ -569,51 +665,84 @@ fn fresh_token() -> Token {
     Token::new(text)
 }
 
-/// Decides `ops` in order inside `txn` and stages every change. Each answer comes with whether it
-/// is settled (needs no sync). Returns whether to commit.
-fn decide_all(
+/// Reads the stored entry of `id` (storage key `key`) into a new slot.
+fn read_slot(
     txn: &mut dyn Txn,
-    ops: impl Iterator<Item = (RecordId, Op)>,
+    id: &RecordId,
+    key: &[u8],
+    val_buf: &mut Vec<u8>,
+) -> Result<Slot, EngineError> {
+    if !txn.get(key, val_buf)? {
+        return Ok(Slot {
+            current: None,
+            stored_expires_at_ms: None,
+            corrupt: None,
+            dirty: false,
+        });
+    }
+    Ok(match decode_entry(val_buf) {
+        Ok(e) => Slot {
+            stored_expires_at_ms: Some(e.expires_at_ms),
+            current: Some(e),
+            corrupt: None,
+            dirty: false,
+        },
+        Err(e) => Slot {
+            current: None,
+            stored_expires_at_ms: None,
+            corrupt: Some(format!(
+                "{} / {:?}: {e}",
+                id.namespace.as_str(),
+                id.key.as_str()
+            )),
+            dirty: false,
+        },
+    })
+}
+
+/// Reads every id of the batch into `slots` before anything is decided, in storage-key order:
+/// consecutive lookups then share most of their path down the engine's memtable (a skip list)
+/// and its segment indexes, which random order missed at almost every step (the writer's
+/// lookups cost ~13% less in a `dedup --ledger` load). Reads see the state before the
+/// transaction only, so their order changes no answer.
+fn preload(
+    txn: &mut dyn Txn,
+    ops: &[(RecordId, Op)],
+    keys: &[u8],
+    key_ends: &[usize],
+    slots: &mut HashMap<Vec<u8>, Slot>,
+) -> Result<(), EngineError> {
+    let key = |i: usize| &keys[if i == 0 { 0 } else { key_ends[i - 1] }..key_ends[i]];
+    let mut order: Vec<usize> = (0..ops.len()).collect();
+    order.sort_unstable_by(|&a, &b| key(a).cmp(key(b)));
+    let mut val_buf = Vec::with_capacity(256);
+    for i in order {
+        let k = key(i);
+        if !slots.contains_key(k) {
+            let slot = read_slot(txn, &ops[i].0, k, &mut val_buf)?;
+            slots.insert(k.to_vec(), slot);
+        }
+    }
+    Ok(())
+}
+
+/// Decides `ops` (each with its storage key) in order inside `txn` and stages every change. Each
+/// answer comes with whether it is settled (needs no sync). Returns whether to commit.
+fn decide_all<'k>(
+    txn: &mut dyn Txn,
+    ops: impl Iterator<Item = ((RecordId, Op), &'k [u8])>,
     now_ms: u64,
     slots: &mut HashMap<Vec<u8>, Slot>,
     answers: &mut Vec<(Answer, bool)>,
     index_seq: &mut u64,
 ) -> Result<bool, EngineError> {
-    let mut id_buf = Vec::with_capacity(64);
     let mut val_buf = Vec::with_capacity(256);
-    for (id, op) in ops {
-        encode_id(&id, &mut id_buf);
-        let slot = match slots.get_mut(id_buf.as_slice()) {
+    for ((id, op), key) in ops {
+        let slot = match slots.get_mut(key) {
             Some(s) => s,
             None => {
-                let slot = if txn.get(&id_buf, &mut val_buf)? {
-                    match decode_entry(&val_buf) {
-                        Ok(e) => Slot {
-                            stored_expires_at_ms: Some(e.expires_at_ms),
-                            current: Some(e),
-                            corrupt: None,
-                            dirty: false,
-                        },
-                        Err(e) => Slot {
-                            current: None,
-                            stored_expires_at_ms: None,
-                            corrupt: Some(format!(
-                                "{} / {:?}: {e}",
-                                id.namespace.as_str(),
-                                id.key.as_str()
-                            )),
-                            dirty: false,
-                        },
-                    }
-                } else {
-                    Slot {
-                        current: None,
-                        stored_expires_at_ms: None,
-                        corrupt: None,
-                        dirty: false,
-                    }
-                };
-                slots.entry(id_buf.clone()).or_insert(slot)
+                let slot = read_slot(txn, &id, key, &mut val_buf)?;
+                slots.entry(key.to_vec()).or_insert(slot)
             }
         };
         if let Some(why) = &slot.corrupt {

@@ -621,55 +621,20 @@ async fn in_a_batch_ops_after_a_change_to_their_id_see_it() {
     );
 }
 
-/// fjall under a gate the test opens and closes: once armed, a commit waits after its sync (before
-/// the writer publishes its view or answers) until the test releases it.
-struct HeldCommits {
-    inner: Box<dyn dedupgate_embedded::engine::Engine>,
-    hold: Arc<(std::sync::Mutex<(bool, bool)>, std::sync::Condvar)>,
-}
-
-impl dedupgate_embedded::engine::Engine for HeldCommits {
-    fn write(
-        &mut self,
-        body: &mut dedupgate_embedded::engine::TxnBody<'_>,
-    ) -> Result<(), dedupgate_embedded::engine::EngineError> {
-        self.inner.write(body)?;
-        let (lock, cv) = &*self.hold;
-        let mut state = lock.lock().unwrap();
-        if state.0 {
-            // (armed, holding): say we are held, then wait for the release.
-            state.1 = true;
-            cv.notify_all();
-            while state.0 {
-                state = cv.wait(state).unwrap();
-            }
-            state.1 = false;
-        }
-        Ok(())
-    }
-
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-
-    fn durable_view(&self) -> Option<Arc<dyn dedupgate_embedded::engine::DurableView>> {
-        self.inner.durable_view()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("engine");
+    // Commits pass freely (usize::MAX) until the test holds them (0).
     let hold = Arc::new((
-        std::sync::Mutex::new((false, false)),
+        std::sync::Mutex::new((usize::MAX, false)),
         std::sync::Condvar::new(),
     ));
     let opener_hold = hold.clone();
     let opener: dedupgate_embedded::engine::EngineOpener = Box::new(move || {
-        Ok(Box::new(HeldCommits {
+        Ok(Box::new(CountedCommits {
             inner: Box::new(dedupgate_embedded::engine::FjallEngine::open(&path)?),
-            hold: opener_hold.clone(),
+            gate: opener_hold.clone(),
         }))
     });
     let clock = ManualClock::new(1_000_000);
@@ -690,7 +655,7 @@ async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
     };
     clock.advance(2_000);
     // A takeover is decided, synced, then held before its view is published.
-    hold.0.lock().unwrap().0 = true;
+    hold.0.lock().unwrap().0 = 0;
     let takeover = tokio::spawn({
         let store = store.clone();
         let op = short_lease.clone();
@@ -713,7 +678,7 @@ async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     {
         let (lock, cv) = &*hold;
-        lock.lock().unwrap().0 = false;
+        lock.lock().unwrap().0 = usize::MAX;
         cv.notify_all();
     }
     let Outcome::Claimed(Claim::New(second)) = takeover.await.unwrap().unwrap() else {
@@ -725,4 +690,131 @@ async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
         seen.fence, second.fence,
         "the get answered from the snapshot the takeover was replacing"
     );
+}
+
+/// fjall behind a turnstile: after its sync, a commit waits (before the writer publishes its view
+/// or answers) until the test lets one more commit pass.
+struct CountedCommits {
+    inner: Box<dyn dedupgate_embedded::engine::Engine>,
+    /// (commits that may still pass, whether one is waiting)
+    gate: Arc<(std::sync::Mutex<(usize, bool)>, std::sync::Condvar)>,
+}
+
+impl dedupgate_embedded::engine::Engine for CountedCommits {
+    fn write(
+        &mut self,
+        body: &mut dedupgate_embedded::engine::TxnBody<'_>,
+    ) -> Result<(), dedupgate_embedded::engine::EngineError> {
+        self.inner.write(body)?;
+        let (lock, cv) = &*self.gate;
+        let mut state = lock.lock().unwrap();
+        state.1 = true;
+        cv.notify_all();
+        while state.0 == 0 {
+            state = cv.wait(state).unwrap();
+        }
+        state.0 -= 1;
+        state.1 = false;
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn durable_view(&self) -> Option<Arc<dyn dedupgate_embedded::engine::DurableView>> {
+        self.inner.durable_view()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_with_many_waiters_answers_them_only_after_its_sync_and_each_is_durable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("engine");
+    let gate = Arc::new((
+        std::sync::Mutex::new((usize::MAX, false)),
+        std::sync::Condvar::new(),
+    ));
+    let opener_gate = gate.clone();
+    let opener_path = path.clone();
+    let opener: dedupgate_embedded::engine::EngineOpener = Box::new(move || {
+        Ok(Box::new(CountedCommits {
+            inner: Box::new(dedupgate_embedded::engine::FjallEngine::open(&opener_path)?),
+            gate: opener_gate.clone(),
+        }))
+    });
+    let store = Arc::new(
+        EmbeddedStore::with_engine(opener, EmbeddedOptions::default(), "counted".into()).unwrap(),
+    );
+    let set_passes = |n: usize| {
+        let (lock, cv) = &*gate;
+        lock.lock().unwrap().0 = n;
+        cv.notify_all();
+    };
+    let wait_for_held = || {
+        let (lock, cv) = &*gate;
+        let mut state = lock.lock().unwrap();
+        while !state.1 {
+            state = cv.wait(state).unwrap();
+        }
+    };
+    let spawn_claim = |key: String| {
+        let store = store.clone();
+        tokio::spawn(async move { (key.clone(), store.apply(id(&key), claim_op()).await) })
+    };
+    // A first commit is held after its sync; the claims sent meanwhile queue up and go into the
+    // next commit together: more waiters than the writer answers itself.
+    set_passes(0);
+    let first = spawn_claim("first".into());
+    wait_for_held();
+    let many: Vec<_> = (0..32).map(|i| spawn_claim(format!("many-{i}"))).collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!first.is_finished(), "answered before its commit finished");
+    set_passes(1);
+    let (_, answer) = first.await.unwrap();
+    assert!(
+        matches!(answer, Ok(Outcome::Claimed(Claim::New(_)))),
+        "{answer:?}"
+    );
+    // The 32 are decided, written and synced, then held before their answers.
+    wait_for_held();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        many.iter().all(|t| !t.is_finished()),
+        "a claim was answered before its commit finished"
+    );
+    set_passes(usize::MAX);
+    let mut fences = Vec::new();
+    for t in many {
+        let (key, answer) = t.await.unwrap();
+        let Ok(Outcome::Claimed(Claim::New(lease))) = answer else {
+            panic!("{key}: {answer:?}")
+        };
+        fences.push((key, lease.fence));
+    }
+    // That commit's answers went through the answer thread.
+    let threads: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .collect();
+    assert!(
+        threads.iter().any(|c| c.trim() == "dedupgate-answe"),
+        "no answer thread among {threads:?}"
+    );
+    drop(store);
+    let reopen_path = path.clone();
+    let store = EmbeddedStore::with_engine(
+        Box::new(move || {
+            Ok(Box::new(dedupgate_embedded::engine::FjallEngine::open(
+                &reopen_path,
+            )?))
+        }),
+        EmbeddedOptions::default(),
+        "reopened".into(),
+    )
+    .unwrap();
+    for (key, fence) in fences {
+        let record = get(&store, &key).await.unwrap().expect("acknowledged");
+        assert_eq!(record.fence, fence, "{key}");
+    }
 }

@@ -10,9 +10,16 @@ pub enum PgError {
     /// The URL or an option is malformed.
     #[error("postgres store options: {0}")]
     Options(String),
-    /// PostgreSQL could not be reached, or a start-up statement failed.
+    /// PostgreSQL could not be reached, did not answer in time, was shutting down or not
+    /// accepting connections (57P0x), or a start-up statement failed otherwise: worth retrying.
     #[error("postgres unavailable: {0}")]
     Unavailable(String),
+    /// PostgreSQL answered and refused the store: authentication failed (SQLSTATE class 28,
+    /// e.g. 28P01 a wrong password), the database does not exist (3D000), or the role lacks a
+    /// privilege the store needs (class 42, e.g. 42501). Retrying will not help until the URL,
+    /// the role or the database changes.
+    #[error("postgres refused the store: {0}")]
+    Refused(String),
     /// The schema was written by a newer dedupgate; this build must not touch it.
     #[error(
         "postgres schema {schema} is at version {found}, newer than this build's {supported}: \
@@ -63,6 +70,39 @@ pub(crate) fn describe_pg(e: &tokio_postgres::Error) -> String {
             }
             text
         }
+    }
+}
+
+/// True when PostgreSQL refused the store rather than failed to serve it: SQLSTATE class 28
+/// (invalid authorization), 3D (invalid catalog name: no such database) or 42 (syntax error or
+/// access rule violation, e.g. 42501 insufficient privilege). A connection error, a timeout or
+/// a server shutting down (57P0x) carries no such code or another one.
+pub(crate) fn is_refusal(e: &tokio_postgres::Error) -> bool {
+    e.code()
+        .map(|c| c.code())
+        .is_some_and(|c| c.starts_with("28") || c.starts_with("3D") || c.starts_with("42"))
+}
+
+/// An open-time failure `e`, described as `text`: [`PgError::Refused`] when PostgreSQL refused
+/// ([`is_refusal`]), [`PgError::Unavailable`] otherwise.
+pub(crate) fn open_error(e: &tokio_postgres::Error, text: String) -> PgError {
+    if is_refusal(e) {
+        PgError::Refused(text)
+    } else {
+        PgError::Unavailable(text)
+    }
+}
+
+/// A connection the pool could not hand out at open: the server's refusal of the login or the
+/// database is [`PgError::Refused`]; anything else (no connection, a timeout, a server starting
+/// or shutting down) is [`PgError::Unavailable`].
+pub(crate) fn open_pool_error(e: deadpool_postgres::PoolError, description: &str) -> PgError {
+    match &e {
+        deadpool_postgres::PoolError::Backend(pg) => open_error(
+            pg,
+            format!("postgres connect ({description}): {}", describe_pg(pg)),
+        ),
+        _ => PgError::Unavailable(format!("postgres connect ({description}): {e}")),
     }
 }
 

@@ -17,6 +17,8 @@
 //! - [`SCHEMA_VERSION`]: the versioned schema, migrated at open under an advisory lock; a newer
 //!   schema is refused with [`PgError::SchemaTooNew`]. The functions are re-created at open when
 //!   the md5 of their text differs from the one recorded in the schema.
+//! - `testkit` (feature): an owned PostgreSQL server (initdb, pg_ctl, `kill -9`, restart) for
+//!   tests and torture runs.
 //!
 //! Keys, namespaces, fingerprints, owners and tokens are stored as `bytea`, so any UTF-8 (NUL
 //! included) comes back exactly; results are stored as their JSON text, never `jsonb`, so numbers
@@ -26,6 +28,8 @@ mod error;
 mod options;
 mod schema;
 mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 pub use error::PgError;
 pub use options::{

@@ -10,7 +10,7 @@
 
 use tokio_postgres::Client;
 
-use crate::error::{describe_pg, PgError};
+use crate::error::{describe_pg, open_error, PgError};
 use crate::options::PgOptions;
 
 /// The newest schema version this build knows. A database at a newer version is refused.
@@ -23,7 +23,7 @@ const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("migrations/v1.sql"))];
 const FUNCTIONS: &str = include_str!("functions.sql");
 
 fn pg(e: tokio_postgres::Error) -> PgError {
-    PgError::Unavailable(describe_pg(&e))
+    open_error(&e, describe_pg(&e))
 }
 
 /// Brings `options.schema` to [`SCHEMA_VERSION`], or refuses a newer one. Returns the version
@@ -89,9 +89,7 @@ pub(crate) async fn migrate(client: &mut Client, options: &PgOptions) -> Result<
     for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > found) {
         tx.batch_execute(&sql.replace("{s}", &s))
             .await
-            .map_err(|e| {
-                PgError::Unavailable(format!("migration {version}: {}", describe_pg(&e)))
-            })?;
+            .map_err(|e| open_error(&e, format!("migration {version}: {}", describe_pg(&e))))?;
         tx.execute(
             &format!("INSERT INTO {s}.dedupgate_schema_version (version) VALUES ($1)"),
             &[version],
@@ -157,15 +155,15 @@ async fn install_functions(
         tx.batch_execute(&format!("DROP FUNCTION {signature}"))
             .await
             .map_err(|e| {
-                PgError::Unavailable(format!(
-                    "replacing function {signature}: {}",
-                    describe_pg(&e)
-                ))
+                open_error(
+                    &e,
+                    format!("replacing function {signature}: {}", describe_pg(&e)),
+                )
             })?;
     }
     tx.batch_execute(&FUNCTIONS.replace("{s}", s))
         .await
-        .map_err(|e| PgError::Unavailable(format!("creating functions: {}", describe_pg(&e))))?;
+        .map_err(|e| open_error(&e, format!("creating functions: {}", describe_pg(&e))))?;
     tx.execute(
         &format!(
             "INSERT INTO {table} (md5) VALUES ($1) ON CONFLICT (one) DO UPDATE SET md5 = $1,

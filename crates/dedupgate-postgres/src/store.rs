@@ -13,7 +13,7 @@ use dedupgate_core::{
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{GenericClient, NoTls, Row};
 
-use crate::error::{describe_pg, is_retryable, PgError};
+use crate::error::{describe_pg, is_retryable, open_pool_error, PgError};
 use crate::options::{describe, parse_url, PgOptions};
 use crate::schema;
 
@@ -329,7 +329,7 @@ impl PgStore {
         let mut client = pool
             .get()
             .await
-            .map_err(|e| PgError::Unavailable(format!("postgres connect ({description}): {e}")))?;
+            .map_err(|e| open_pool_error(e, &description))?;
         schema::check_durability(&client, &options).await?;
         schema::migrate(&mut client, &options).await?;
         drop(client);

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::owned::OwnedPg;
 use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, Store, StoreError};
+use dedupgate_postgres::testkit::OwnedPg;
 use dedupgate_postgres::{PgOptions, PgStore};
 
 const UP: u8 = 0;
@@ -42,7 +42,12 @@ struct Log {
 async fn kill_minus_nine_during_load_then_recover() {
     let seed: u64 = rand::random();
     eprintln!("failure test seed {seed} (keys are unique per worker; the seed names the run)");
-    let pg = Arc::new(tokio::task::spawn_blocking(OwnedPg::start).await.unwrap());
+    let pg = Arc::new(
+        tokio::task::spawn_blocking(OwnedPg::start)
+            .await
+            .unwrap()
+            .expect("start an owned postgres"),
+    );
     eprintln!("owned postgres in {}", pg.dir().display());
     let (config, _) = dedupgate_postgres::parse_url(&pg.url()).unwrap();
     let options = PgOptions {
@@ -147,7 +152,7 @@ async fn kill_minus_nine_during_load_then_recover() {
         "no claim was acknowledged before the fault"
     );
     phase.store(DYING, Ordering::SeqCst);
-    pg.kill9();
+    pg.kill9().expect("kill -9 the postmaster");
     // Down once nothing accepts connections and the backends the dead postmaster left behind
     // (which may still finish and commit a statement in flight) have exited on their own.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -169,7 +174,8 @@ async fn kill_minus_nine_during_load_then_recover() {
         let pg = pg.clone();
         tokio::task::spawn_blocking(move || pg.restart())
             .await
-            .unwrap();
+            .unwrap()
+            .expect("restart the owned postgres");
     }
     // The same store, not a new one: its pool must reconnect by itself.
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -102,6 +102,51 @@ async fn bad_urls_get_clear_errors() {
     assert!(matches!(err, PgError::Unavailable(_)), "{err}");
 }
 
+/// PostgreSQL refusing the store (a database that does not exist, a role that does not exist,
+/// a role without the privilege to create the schema) is [`PgError::Refused`], with its
+/// SQLSTATE, never [`PgError::Unavailable`], which a proxy would keep retrying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_by_the_server_are_refused_not_unavailable() {
+    let url = common::url();
+    let schema = common::fresh_schema("refused");
+    let refused = |what: &str, err: PgError, code: &str| {
+        assert!(matches!(err, PgError::Refused(_)), "{what}: {err:?}");
+        assert!(err.to_string().contains(code), "{what}: {err}");
+        assert!(matches!(
+            dedupgate_core::StoreError::from(err),
+            dedupgate_core::StoreError::Config(_)
+        ));
+    };
+
+    let (mut config, _) = dedupgate_postgres::parse_url(&url).unwrap();
+    config.dbname(format!("{schema}_missing"));
+    let err = PgStore::connect(config, common::options(&schema))
+        .await
+        .unwrap_err();
+    refused("missing database", err, "3D000");
+
+    let role = format!("{schema}_role");
+    let (mut config, _) = dedupgate_postgres::parse_url(&url).unwrap();
+    config.user(&role);
+    let err = PgStore::connect(config.clone(), common::options(&schema))
+        .await
+        .unwrap_err();
+    refused("missing role", err, "28000");
+
+    // A role that may log in but not create the store's schema.
+    let admin = common::connect(&url).await;
+    admin
+        .batch_execute(&format!("CREATE ROLE \"{role}\" LOGIN"))
+        .await
+        .unwrap();
+    let err = PgStore::connect(config, common::options(&schema)).await;
+    admin
+        .batch_execute(&format!("DROP ROLE \"{role}\""))
+        .await
+        .unwrap();
+    refused("role without privileges", err.unwrap_err(), "42501");
+}
+
 /// A schema whose functions are not this build's (made by an earlier build of the unreleased
 /// v1, which recorded no md5, or by another build) gets this build's functions at open, stale
 /// overloads included, and keeps its rows.

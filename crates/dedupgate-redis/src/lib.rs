@@ -11,8 +11,9 @@
 //! - [`RedisOptions`]: durability (`WAIT` replicas), key prefix and timeouts, read from the URL's
 //!   query string.
 //! - [`keys`]: the key layout — one key per record, under a hash tag derived from its id.
-//! - [`OpenError`]: why a store would not open (bad URL, unreachable server, an eviction policy
-//!   that could drop records).
+//! - [`OpenError`]: why a store would not open (bad URL, unreachable server or an answer lost
+//!   on the way, refused authentication or connection setup, an eviction policy that could
+//!   drop records).
 //! - `testkit` (feature): start real `redis-server` processes and clusters for tests.
 //!
 //! What an acknowledged claim survives (persistence, replication, failover) is in `docs/redis.md`.
@@ -41,12 +42,46 @@ pub enum OpenError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The server could not be reached.
+    /// The server could not be reached, or did not answer the connection's setup in time, or
+    /// answered that it is busy (loading, cluster down): worth retrying.
     #[error("cannot reach Redis at {url}: {reason}")]
     Connect {
         /// The server (password redacted).
         url: String,
         /// The connection error.
+        reason: String,
+    },
+    /// The server was reached but refused to authenticate the connection: a wrong user or
+    /// password (`WRONGPASS`), or none given to a server that requires one (`NOAUTH`). Not
+    /// worth retrying until the URL or the server's users change.
+    #[error(
+        "Redis at {url} refused authentication ({reason}): check the user and password in the \
+         store URL (redis://USER:PASSWORD@host:port)"
+    )]
+    Auth {
+        /// The server (password redacted).
+        url: String,
+        /// The server's or client's refusal.
+        reason: String,
+    },
+    /// The server was reached but refused to set the connection up as the URL asks (a database
+    /// index out of range, a client configuration it rejects). Not worth retrying.
+    #[error("Redis at {url} refused the store's connection ({reason})")]
+    Refused {
+        /// The server (password redacted).
+        url: String,
+        /// The refusal.
+        reason: String,
+    },
+    /// The server was reached but its answer to an open-time check was lost: the connection
+    /// dropped, the reply was cut short or unreadable, it timed out, or the server was busy
+    /// (loading, cluster down). Nothing is wrong with its configuration as far as is known:
+    /// unavailable, worth retrying.
+    #[error("Redis at {url} did not answer the open-time check ({reason})")]
+    Unavailable {
+        /// The server (password redacted).
+        url: String,
+        /// What went wrong.
         reason: String,
     },
     /// The server may evict keys, and an evicted record lets a duplicate through.
@@ -61,7 +96,8 @@ pub enum OpenError {
         /// Its policy.
         policy: String,
     },
-    /// The eviction policy could not be read (e.g. `CONFIG` is disabled or renamed).
+    /// The server refused to tell its eviction policy (e.g. `CONFIG` is disabled or renamed, or
+    /// the user may not run it).
     #[error(
         "cannot read maxmemory-policy from Redis at {url} ({reason}). If CONFIG is disabled on \
          purpose and the policy is noeviction, add `assume_noeviction=true` to the store URL's \
@@ -78,7 +114,9 @@ pub enum OpenError {
 impl From<OpenError> for dedupgate_core::StoreError {
     fn from(e: OpenError) -> Self {
         match e {
-            OpenError::Connect { .. } => Self::Unavailable(e.to_string()),
+            OpenError::Connect { .. } | OpenError::Unavailable { .. } => {
+                Self::Unavailable(e.to_string())
+            }
             _ => Self::Config(e.to_string()),
         }
     }

@@ -177,10 +177,7 @@ impl RedisStore {
     /// Opens `url` (without store options) with `opts`.
     pub async fn open_with(url: &str, opts: RedisOptions) -> Result<Self, OpenError> {
         let shown = redact(url);
-        let connect_err = |e: redis::RedisError| OpenError::Connect {
-            url: shown.clone(),
-            reason: e.to_string(),
-        };
+        let connect_err = |e: redis::RedisError| connect_error(shown.clone(), e);
         let conn = if url.starts_with("redis+cluster://") {
             let nodes = cluster_nodes(url)?;
             let client = ClusterClientBuilder::new(nodes)
@@ -248,13 +245,18 @@ impl RedisStore {
 }
 
 impl Inner {
-    /// Refuses servers that may evict keys: an evicted record lets a duplicate through.
+    /// Refuses servers that may evict keys: an evicted record lets a duplicate through. With
+    /// `assume_noeviction` the policy is not read, but a `PING` still checks that the
+    /// connection is authenticated (a server that requires a password answers `NOAUTH` to
+    /// every command, which no retry cures).
     async fn check_eviction_policy(&self, shown: &str) -> Result<(), OpenError> {
-        if self.opts.assume_noeviction {
-            return Ok(());
-        }
-        let mut cmd = redis::cmd("CONFIG");
-        cmd.arg("GET").arg("maxmemory-policy");
+        let cmd = if self.opts.assume_noeviction {
+            redis::cmd("PING")
+        } else {
+            let mut cmd = redis::cmd("CONFIG");
+            cmd.arg("GET").arg("maxmemory-policy");
+            cmd
+        };
         let replies: Vec<(String, Value)> = match &self.conn {
             Conn::Single(c) => vec![(shown.to_owned(), c.clone().req_packed_command(&cmd).await)],
             Conn::Cluster(h) => {
@@ -275,12 +277,12 @@ impl Inner {
         })
         .map(|(node, r)| {
             r.map(|v| (node.clone(), v))
-                .map_err(|e| OpenError::ConfigUnavailable {
-                    url: node,
-                    reason: e.to_string(),
-                })
+                .map_err(|e| check_error(node, e))
         })
         .collect::<Result<_, _>>()?;
+        if self.opts.assume_noeviction {
+            return Ok(());
+        }
         for (node, v) in replies {
             let policy = policy_of(&v).ok_or_else(|| OpenError::ConfigUnavailable {
                 url: node.clone(),
@@ -515,6 +517,80 @@ fn server_error(e: redis::ServerError) -> StoreError {
         ))
     } else {
         StoreError::Unavailable(format!("redis refused: {e}"))
+    }
+}
+
+/// True when `e` is the server refusing the connection's credentials: a failed `AUTH` or
+/// `HELLO … AUTH` (`WRONGPASS`), or a command sent without authenticating to a server that
+/// requires it (`NOAUTH`, an error code the client does not know).
+fn is_auth_refusal(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+}
+
+/// An error reply from a server that is loading, has its cluster down or asks to try again:
+/// it will pass, unlike other error replies.
+fn server_busy(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown,
+        )
+    )
+}
+
+/// A connection that could not be set up (connect, `AUTH`/`HELLO`, `SELECT`). The server's
+/// refusal of the credentials ([`OpenError::Auth`]) or of the setup the URL asks for (a
+/// database index out of range, a client configuration it rejects: [`OpenError::Refused`])
+/// will not pass by retrying; no connection, an I/O error, a timeout, a reply cut short or a
+/// server busy loading or with its cluster down is [`OpenError::Connect`], worth retrying.
+fn connect_error(url: String, e: redis::RedisError) -> OpenError {
+    use redis::ErrorKind;
+    let reason = e.to_string();
+    if is_auth_refusal(&e) {
+        return OpenError::Auth { url, reason };
+    }
+    let refused = !server_busy(&e)
+        && matches!(
+            e.kind(),
+            ErrorKind::Server(_)
+                | ErrorKind::Extension
+                | ErrorKind::InvalidClientConfig
+                | ErrorKind::RESP3NotSupported
+        );
+    if refused {
+        OpenError::Refused { url, reason }
+    } else {
+        OpenError::Connect { url, reason }
+    }
+}
+
+/// An open-time check that failed. Only the server's own refusal (an error reply: `CONFIG`
+/// unknown or renamed, no permission) says something about its configuration; a dropped
+/// connection, a reply cut short or unreadable, a timeout, or a server busy loading or with its
+/// cluster down is the store being unavailable, and worth retrying.
+fn check_error(url: String, e: redis::RedisError) -> OpenError {
+    use redis::ErrorKind;
+    let refused = !server_busy(&e)
+        && matches!(
+            e.kind(),
+            ErrorKind::Server(_)
+                | ErrorKind::Extension
+                | ErrorKind::AuthenticationFailed
+                | ErrorKind::UnexpectedReturnType
+        );
+    let reason = e.to_string();
+    if is_auth_refusal(&e) {
+        // Not a CONFIG problem: the connection itself is not authenticated.
+        OpenError::Auth { url, reason }
+    } else if refused {
+        OpenError::ConfigUnavailable { url, reason }
+    } else {
+        OpenError::Unavailable { url, reason }
     }
 }
 

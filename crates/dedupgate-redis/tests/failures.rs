@@ -236,6 +236,46 @@ async fn servers_that_may_evict_are_refused() {
     assert!(store.health().await.is_ok());
 }
 
+/// A server that requires a password, opened with a wrong one or with none, and a database
+/// index the server does not have: refusals ([`OpenError::Auth`], [`OpenError::Refused`]),
+/// never `Connect` or `Unavailable`, which a proxy would keep retrying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_or_missing_password_and_bad_database_are_refused() {
+    let server = start(&[]).await;
+    // Set after start: the testkit waits for a PING that a password would answer NOAUTH.
+    let out = server
+        .cli(&["CONFIG", "SET", "requirepass", "s3cret"])
+        .unwrap();
+    assert_eq!(out.trim(), "OK");
+    let port = server.port();
+
+    let wrong = format!("redis://:wrong@127.0.0.1:{port}");
+    let err = RedisStore::open(&wrong).await.unwrap_err();
+    assert!(matches!(err, OpenError::Auth { .. }), "{err:?}");
+    assert!(!err.to_string().contains("wrong"), "password shown: {err}");
+    assert!(matches!(StoreError::from(err), StoreError::Config(_)));
+
+    let none = format!("redis://127.0.0.1:{port}");
+    let err = RedisStore::open(&none).await.unwrap_err();
+    assert!(matches!(err, OpenError::Auth { .. }), "{err:?}");
+    assert!(!err.to_string().contains("assume_noeviction"), "{err}");
+    let err = RedisStore::open(&format!("{none}?assume_noeviction=true"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OpenError::Auth { .. }), "{err:?}");
+
+    let right = format!("redis://:s3cret@127.0.0.1:{port}");
+    let store = RedisStore::open(&right)
+        .await
+        .expect("the right password opens");
+    assert!(store.health().await.is_ok());
+
+    let err = RedisStore::open(&format!("redis://:s3cret@127.0.0.1:{port}/99"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, OpenError::Refused { .. }), "{err:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_server_fails_to_open_clearly() {
     let port = dedupgate_redis::testkit::free_port();
@@ -349,4 +389,79 @@ async fn cluster_master_killed_and_restarted() {
         }
         break;
     }
+}
+
+/// A TCP relay in front of a real server that, once a client sends `CONFIG`, passes on only the
+/// first `keep` bytes of the server's next reply (0: none) and closes the connection: the
+/// open-time check's answer lost on the way. Every other byte is relayed unchanged.
+async fn cutting_relay(server: u16, keep: usize) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(upstream) = tokio::net::TcpStream::connect(("127.0.0.1", server)).await else {
+                continue;
+            };
+            let (mut cr, mut cw) = client.into_split();
+            let (mut ur, mut uw) = upstream.into_split();
+            let cut = Arc::new(AtomicBool::new(false));
+            let cut_up = cut.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    let upper = buf[..n].to_ascii_uppercase();
+                    if upper.windows(6).any(|w| w == b"CONFIG") {
+                        cut_up.store(true, Ordering::SeqCst);
+                    }
+                    if uw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = ur.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    if cut.load(Ordering::SeqCst) {
+                        let _ = cw.write_all(&buf[..keep.min(n - 1)]).await;
+                        break; // dropping both halves closes the connection
+                    }
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// The open-time `CONFIG GET maxmemory-policy` answered by a healthy `noeviction` server, but
+/// its reply cut short (or not delivered at all) and the connection closed: the store is
+/// unavailable (retryable), not misconfigured. The same server reached directly opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_check_reply_cut_short_is_unavailable_not_config() {
+    let server = start(&[]).await;
+    for keep in [10, 0] {
+        let port = cutting_relay(server.port(), keep).await;
+        let err = RedisStore::open(&format!("redis://127.0.0.1:{port}"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, OpenError::Unavailable { .. }),
+            "keep {keep}: {err:?}"
+        );
+        assert!(
+            matches!(StoreError::from(err), StoreError::Unavailable(_)),
+            "keep {keep}"
+        );
+    }
+    let store = RedisStore::open(&server.url()).await.expect("direct open");
+    assert!(store.health().await.is_ok());
 }

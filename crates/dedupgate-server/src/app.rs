@@ -5,16 +5,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::future::Future;
+use std::pin::Pin;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
+use axum::extract::{Query, Request};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, MethodRouter};
-use axum::Router;
+use axum::{BoxError, Router};
 use dedupgate_core::{GateError, Outcome, Store};
+use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use serde::Deserialize;
 use tokio::sync::Semaphore;
 
 use crate::auth::Auth;
@@ -132,17 +132,42 @@ impl AppState {
     }
 
     /// Reads a request body, refusing it with 413 once it passes the configured limit.
-    async fn read_body(&self, body: Body) -> Result<Bytes, Problem> {
+    async fn read_body<B>(&self, body: B) -> Result<Bytes, Problem>
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
         let limit = self.config.limits.body_bytes_max;
-        match Limited::new(body, limit).collect().await {
-            Ok(collected) => Ok(collected.to_bytes()),
-            Err(e) if e.is::<LengthLimitError>() => Err(Problem::too_large(format!(
-                "the request body is larger than {limit} bytes"
-            ))),
-            Err(e) => Err(Problem::invalid(format!(
-                "could not read the request body: {e}"
-            ))),
+        let mut body = std::pin::pin!(Limited::new(body, limit));
+        // A small body arrives as one frame: kept as it is, without copying or a buffer list.
+        let mut first = Bytes::new();
+        let mut joined: Vec<u8> = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                if e.is::<LengthLimitError>() {
+                    Problem::too_large(format!("the request body is larger than {limit} bytes"))
+                } else {
+                    Problem::invalid(format!("could not read the request body: {e}"))
+                }
+            })?;
+            // Trailers carry nothing the API reads.
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if first.is_empty() && joined.is_empty() {
+                first = data;
+            } else {
+                if joined.is_empty() {
+                    joined.extend_from_slice(&first);
+                }
+                joined.extend_from_slice(&data);
+            }
         }
+        Ok(if joined.is_empty() {
+            first
+        } else {
+            Bytes::from(joined)
+        })
     }
 
     /// Calls the store for one op, timing it and counting the decision.
@@ -163,7 +188,11 @@ impl AppState {
         Problem::from_gate(err)
     }
 
-    async fn single(&self, kind: OpKind, request: Request) -> Response {
+    async fn single<B>(&self, kind: OpKind, request: axum::http::Request<B>) -> Response
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
         let answer = async {
             let (parts, body) = request.into_parts();
             let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
@@ -182,7 +211,7 @@ impl AppState {
         }
     }
 
-    async fn record(&self, kind: OpKind, request: Request) -> Response {
+    async fn record<B>(&self, kind: OpKind, request: axum::http::Request<B>) -> Response {
         // Only the head is used; the body (not Sync) must not live across the store call.
         let (parts, _) = request.into_parts();
         let answer = async {
@@ -208,24 +237,26 @@ impl AppState {
         }
     }
 
-    async fn batch(&self, request: Request) -> Response {
+    async fn batch<B>(&self, request: axum::http::Request<B>) -> Response
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
         match self.batch_inner(request).await {
             Ok(out) => json(StatusCode::OK, out),
             Err(problem) => problem.into_response(),
         }
     }
 
-    async fn batch_inner(&self, request: Request) -> Result<Vec<u8>, Problem> {
-        #[derive(Deserialize)]
-        struct BatchReq<'a> {
-            #[serde(borrow)]
-            ops: Vec<wire::BatchItem<'a>>,
-        }
+    async fn batch_inner<B>(&self, request: axum::http::Request<B>) -> Result<Vec<u8>, Problem>
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
         let (parts, body) = request.into_parts();
         let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
         let body = self.read_body(body).await?;
-        let BatchReq { ops } = serde_json::from_slice(&body)
-            .map_err(|e| Problem::invalid(format!("the body must be {{\"ops\":[…]}}: {e}")))?;
+        let ops = wire::parse_batch(&body)?;
         let max = self.config.limits.batch_ops_max;
         if ops.len() > max {
             return Err(Problem::invalid(format!(
@@ -344,56 +375,121 @@ fn json(status: StatusCode, body: Vec<u8>) -> Response {
     response
 }
 
-type S = Arc<AppState>;
-
-fn post_op(kind: OpKind, route: &'static str) -> MethodRouter<S> {
-    post(move |State(app): State<S>, request: Request| async move {
-        app.guarded(route, app.single(kind, request)).await
-    })
+/// What a route's handler does.
+#[derive(Clone, Copy, Debug)]
+enum Endpoint {
+    Single(OpKind),
+    Record(OpKind),
+    Batch,
+    Health,
+    Metrics,
 }
 
-fn record_route(kind: OpKind, route: &'static str) -> MethodRouter<S> {
-    let handler = move |State(app): State<S>, request: Request| async move {
-        app.guarded(route, app.record(kind, request)).await
-    };
-    if kind == OpKind::Forget {
-        delete(handler)
-    } else {
-        get(handler)
-    }
-}
-
-fn method_router(route: &Route) -> MethodRouter<S> {
-    let path = route.path;
-    match (route.method, path) {
-        ("POST", "/v1/claim") => post_op(OpKind::Claim, path),
-        ("POST", "/v1/complete") => post_op(OpKind::Complete, path),
-        ("POST", "/v1/release") => post_op(OpKind::Release, path),
-        ("POST", "/v1/extend") => post_op(OpKind::Extend, path),
-        ("POST", "/v1/mark") => post_op(OpKind::Mark, path),
-        ("GET", "/v1/record") => record_route(OpKind::Get, path),
-        ("DELETE", "/v1/record") => record_route(OpKind::Forget, path),
-        ("POST", "/v1/batch") => post(move |State(app): State<S>, request: Request| async move {
-            app.guarded(path, app.batch(request)).await
-        }),
-        ("GET", "/healthz") => {
-            get(move |State(app): State<S>| async move { app.guarded(path, app.health()).await })
-        }
-        ("GET", "/metrics") => {
-            get(
-                move |State(app): State<S>| async move { app.guarded(path, app.metrics_text()).await },
-            )
-        }
+fn endpoint(route: &Route) -> Endpoint {
+    match (route.method, route.path) {
+        ("POST", "/v1/claim") => Endpoint::Single(OpKind::Claim),
+        ("POST", "/v1/complete") => Endpoint::Single(OpKind::Complete),
+        ("POST", "/v1/release") => Endpoint::Single(OpKind::Release),
+        ("POST", "/v1/extend") => Endpoint::Single(OpKind::Extend),
+        ("POST", "/v1/mark") => Endpoint::Single(OpKind::Mark),
+        ("GET", "/v1/record") => Endpoint::Record(OpKind::Get),
+        ("DELETE", "/v1/record") => Endpoint::Record(OpKind::Forget),
+        ("POST", "/v1/batch") => Endpoint::Batch,
+        ("GET", "/healthz") => Endpoint::Health,
+        ("GET", "/metrics") => Endpoint::Metrics,
         (method, path) => unreachable!("ROUTES lists {method} {path} without a handler"),
     }
 }
 
-/// The route label of a request path: its ROUTES path, or `other` (bounded: never the raw path).
-fn route_label(uri: &Uri) -> &'static str {
-    ROUTES
-        .iter()
-        .find(|r| r.path == uri.path())
-        .map_or("other", |r| r.path)
+/// Where a request goes: a route of [`ROUTES`], a known path asked with a method it does not
+/// take (405), or nothing (404).
+enum Dispatch {
+    Route(&'static Route),
+    WrongMethod(&'static str),
+    NoRoute,
+}
+
+fn dispatch(method: &Method, path: &str) -> Dispatch {
+    let mut known_path = None;
+    for route in ROUTES {
+        if route.path != path {
+            continue;
+        }
+        // As with axum's `get`, a GET route also answers HEAD (hyper sends no body for HEAD).
+        if route.method == method.as_str() || (*method == Method::HEAD && route.method == "GET") {
+            return Dispatch::Route(route);
+        }
+        known_path = Some(route.path);
+    }
+    known_path.map_or(Dispatch::NoRoute, Dispatch::WrongMethod)
+}
+
+/// The `Allow` header of a 405 on `path`: its methods in [`ROUTES`] order, HEAD after GET.
+fn allow_header(path: &str) -> HeaderValue {
+    let mut allow: Vec<&str> = Vec::new();
+    for route in ROUTES.iter().filter(|r| r.path == path) {
+        allow.push(route.method);
+        if route.method == "GET" {
+            allow.push("HEAD");
+        }
+    }
+    HeaderValue::from_str(&allow.join(",")).expect("method names are valid header text")
+}
+
+impl AppState {
+    /// Answers one request: routes it by [`ROUTES`] (problem JSON 404 for an unknown path, 405
+    /// with `Allow` for a method the path does not take) and runs its handler inside
+    /// [`AppState::guarded`]. [`crate::serve`] calls it straight from hyper, without a router
+    /// or a boxed service per request; [`router`] wraps the same function for axum.
+    pub async fn handle<B>(&self, request: axum::http::Request<B>) -> Response
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        match dispatch(request.method(), request.uri().path()) {
+            Dispatch::Route(route) => {
+                let path = route.path;
+                // Each handler's future (a kilobyte or more: the request, the parsed op, the
+                // store call) is boxed once, so the futures around it, which are moved by
+                // value as they are built and polled, stay small.
+                match endpoint(route) {
+                    Endpoint::Single(kind) => {
+                        self.guarded(path, Box::pin(self.single(kind, request)))
+                            .await
+                    }
+                    Endpoint::Record(kind) => {
+                        self.guarded(path, Box::pin(self.record(kind, request)))
+                            .await
+                    }
+                    Endpoint::Batch => self.guarded(path, Box::pin(self.batch(request))).await,
+                    Endpoint::Health => self.guarded(path, Box::pin(self.health())).await,
+                    Endpoint::Metrics => self.guarded(path, Box::pin(self.metrics_text())).await,
+                }
+            }
+            Dispatch::WrongMethod(path) => {
+                let mut response = self
+                    .guarded(
+                        path,
+                        Box::pin(async {
+                            Problem::method_not_allowed("this route does not take that method")
+                                .into_response()
+                        }),
+                    )
+                    .await;
+                response
+                    .headers_mut()
+                    .insert(header::ALLOW, allow_header(path));
+                response
+            }
+            Dispatch::NoRoute => {
+                self.guarded(
+                    "other",
+                    Box::pin(async { Problem::not_found("no such route").into_response() }),
+                )
+                .await
+            }
+        }
+    }
 }
 
 impl AppState {
@@ -404,7 +500,7 @@ impl AppState {
     async fn guarded(
         &self,
         route: &'static str,
-        handler: impl Future<Output = Response>,
+        handler: Pin<Box<impl Future<Output = Response>>>,
     ) -> Response {
         let started = Instant::now();
         // Monitoring stays answerable under overload; everything else takes a permit or gets 503.
@@ -460,25 +556,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The HTTP API over `state`: every route of [`ROUTES`], problem JSON for unknown routes and
-/// methods; each handler runs inside [`AppState::guarded`].
+/// The HTTP API over `state` as an axum router (for embedding it in another axum app, or
+/// driving it with tower in tests): every request goes to [`AppState::handle`], the same
+/// function [`crate::serve`] runs.
 pub fn router(state: Arc<AppState>) -> Router {
-    let mut router: Router<S> = Router::new();
-    for route in ROUTES {
-        router = router.route(route.path, method_router(route));
-    }
-    router
-        .fallback(|State(app): State<S>| async move {
-            app.guarded("other", async {
-                Problem::not_found("no such route").into_response()
-            })
-            .await
-        })
-        .method_not_allowed_fallback(|State(app): State<S>, uri: Uri| async move {
-            app.guarded(route_label(&uri), async {
-                Problem::method_not_allowed("this route does not take that method").into_response()
-            })
-            .await
-        })
-        .with_state(state)
+    Router::new().fallback(move |request: Request| {
+        let state = Arc::clone(&state);
+        async move { state.handle(request).await }
+    })
 }

@@ -150,18 +150,47 @@ pub fn parse_body(
 /// or why the item is refused before its fields are looked at. Read in the same pass as the
 /// `ops` array, so a batch is parsed once; a field is typed only when the item's op uses it
 /// (a field the op does not take is ignored, as in a single-op body).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct BatchItem<'a> {
-    op: Option<&'a RawValue>,
-    namespace: Option<&'a RawValue>,
-    key: Option<&'a RawValue>,
-    token: Option<&'a RawValue>,
-    ttl_ms: Option<&'a RawValue>,
-    lease_ms: Option<&'a RawValue>,
-    fingerprint: Option<&'a RawValue>,
-    owner: Option<&'a RawValue>,
-    result: Option<&'a RawValue>,
+    op: Option<&'a str>,
+    namespace: Option<&'a str>,
+    key: Option<&'a str>,
+    token: Option<&'a str>,
+    ttl_ms: Option<&'a str>,
+    lease_ms: Option<&'a str>,
+    fingerprint: Option<&'a str>,
+    owner: Option<&'a str>,
+    result: Option<&'a str>,
     refused: Option<&'static str>,
+}
+
+const DUPLICATE_FIELD: &str = "a batch op names one of its fields twice";
+
+impl<'a> BatchItem<'a> {
+    /// The slot of a known field name (unescaped), `None` for a field no op takes.
+    fn slot(&mut self, name: &str) -> Option<&mut Option<&'a str>> {
+        Some(match name {
+            "op" => &mut self.op,
+            "namespace" => &mut self.namespace,
+            "key" => &mut self.key,
+            "token" => &mut self.token,
+            "ttl_ms" => &mut self.ttl_ms,
+            "lease_ms" => &mut self.lease_ms,
+            "fingerprint" => &mut self.fingerprint,
+            "owner" => &mut self.owner,
+            "result" => &mut self.result,
+            _ => return None,
+        })
+    }
+
+    /// Keeps a field's raw text; a known field given twice refuses the item.
+    fn set(&mut self, name: &str, raw: &'a str) {
+        if let Some(slot) = self.slot(name) {
+            if slot.replace(raw).is_some() {
+                self.refused.get_or_insert(DUPLICATE_FIELD);
+            }
+        }
+    }
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for BatchItem<'a> {
@@ -215,25 +244,14 @@ impl<'de> serde::de::Visitor<'de> for ItemVisitor {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut item = BatchItem::default();
         while let Some(Field(field)) = map.next_key::<Field>()? {
-            let slot = match field {
-                Some("op") => &mut item.op,
-                Some("namespace") => &mut item.namespace,
-                Some("key") => &mut item.key,
-                Some("token") => &mut item.token,
-                Some("ttl_ms") => &mut item.ttl_ms,
-                Some("lease_ms") => &mut item.lease_ms,
-                Some("fingerprint") => &mut item.fingerprint,
-                Some("owner") => &mut item.owner,
-                Some(_) => &mut item.result, // the last of ITEM_FIELDS
+            match field {
+                Some(name) => {
+                    let value = map.next_value::<&'de RawValue>()?;
+                    item.set(name, value.get());
+                }
                 None => {
                     map.next_value::<serde::de::IgnoredAny>()?;
-                    continue;
                 }
-            };
-            let value = map.next_value::<&'de RawValue>()?;
-            if slot.replace(value).is_some() {
-                item.refused
-                    .get_or_insert("a batch op names one of its fields twice");
             }
         }
         Ok(item)
@@ -280,27 +298,44 @@ impl BatchItem<'_> {
 
 /// A field the op takes, typed from its raw text; `null` counts as absent.
 fn opt_field<'a, T: Deserialize<'a>>(
-    raw: Option<&'a RawValue>,
+    raw: Option<&'a str>,
     name: &str,
 ) -> Result<Option<T>, Problem> {
     match raw {
         None => Ok(None),
-        Some(raw) => serde_json::from_str::<Option<T>>(raw.get())
+        Some(raw) => serde_json::from_str::<Option<T>>(raw)
             .map_err(|e| Problem::invalid(format!("malformed request: {name}: {e}"))),
+    }
+}
+
+/// A duration field the op takes: a plain unsigned integer is read directly (the usual case),
+/// anything else as [`opt_field`] reads it, with its error.
+fn opt_u64(raw: Option<&str>, name: &str) -> Result<Option<u64>, Problem> {
+    match raw {
+        None | Some("null") => Ok(None),
+        Some(text)
+            if text.bytes().all(|b| b.is_ascii_digit())
+                && (text.len() == 1 || !text.starts_with('0')) =>
+        {
+            match text.parse() {
+                Ok(n) => Ok(Some(n)),
+                Err(_) => opt_field(raw, name),
+            }
+        }
+        Some(_) => opt_field(raw, name),
     }
 }
 
 /// The text of a JSON string that holds no escape, straight from its raw form (quotes off):
 /// the usual case, without a deserializer. The raw value was validated when it was read.
-fn plain_str(raw: &RawValue) -> Option<&str> {
-    raw.get()
-        .strip_prefix('"')?
+fn plain_str(raw: &str) -> Option<&str> {
+    raw.strip_prefix('"')?
         .strip_suffix('"')
         .filter(|s| !s.contains('\\'))
 }
 
 /// A string field the op needs.
-fn req_string(raw: Option<&RawValue>, name: &str) -> Result<String, Problem> {
+fn req_string(raw: Option<&str>, name: &str) -> Result<String, Problem> {
     match raw.and_then(plain_str) {
         Some(s) => Ok(s.to_owned()),
         None => req_field(raw, name),
@@ -308,12 +343,12 @@ fn req_string(raw: Option<&RawValue>, name: &str) -> Result<String, Problem> {
 }
 
 /// A field the op needs.
-fn req_field<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>, name: &str) -> Result<T, Problem> {
+fn req_field<'a, T: Deserialize<'a>>(raw: Option<&'a str>, name: &str) -> Result<T, Problem> {
     match raw {
         None => Err(Problem::invalid(format!(
             "malformed request: missing field `{name}`"
         ))),
-        Some(raw) => serde_json::from_str::<T>(raw.get())
+        Some(raw) => serde_json::from_str::<T>(raw)
             .map_err(|e| Problem::invalid(format!("malformed request: {name}: {e}"))),
     }
 }
@@ -329,7 +364,7 @@ pub fn parse_batch_item(
     }
     let kind = match item.op.and_then(plain_str).and_then(OpKind::from_name) {
         Some(kind) => Ok(kind),
-        None => Err(item.op.map(|raw| serde_json::from_str::<Value>(raw.get()))),
+        None => Err(item.op.map(serde_json::from_str::<Value>)),
     };
     let kind = match kind {
         Ok(kind) => kind,
@@ -344,15 +379,15 @@ pub fn parse_batch_item(
     let token = || req_string(item.token, "token").map(Token::new);
     let op = match kind {
         OpKind::Claim => Op::Claim {
-            ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
-            lease_ms: opt_field(item.lease_ms, "lease_ms")?.unwrap_or(defaults.lease_ms),
+            ttl_ms: opt_u64(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
+            lease_ms: opt_u64(item.lease_ms, "lease_ms")?.unwrap_or(defaults.lease_ms),
             fingerprint: opt_field(item.fingerprint, "fingerprint")?,
             owner: opt_field(item.owner, "owner")?,
         },
         OpKind::Complete => Op::Complete {
             token: token()?,
             result: opt_field(item.result, "result")?,
-            ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?,
+            ttl_ms: opt_u64(item.ttl_ms, "ttl_ms")?,
         },
         OpKind::Release => Op::Release { token: token()? },
         OpKind::Extend => Op::Extend {
@@ -360,7 +395,7 @@ pub fn parse_batch_item(
             lease_ms: req_field(item.lease_ms, "lease_ms")?,
         },
         OpKind::Mark => Op::Mark {
-            ttl_ms: opt_field(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
+            ttl_ms: opt_u64(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
             fingerprint: opt_field(item.fingerprint, "fingerprint")?,
             result: opt_field(item.result, "result")?,
         },
@@ -383,6 +418,152 @@ pub fn parse_item(
     let fields: BatchItem<'_> =
         serde_json::from_str(item.get()).map_err(|_| Problem::invalid(NOT_AN_OBJECT))?;
     parse_batch_item(&fields, defaults, limits)
+}
+
+/// Reads a batch body, `{"ops":[…]}`, into its items. Bodies in the common shape (objects of
+/// plain strings, unsigned integers and nulls, no escapes) are read by [`scan_batch`] without
+/// a deserializer; anything else, and any body it does not accept, is read by serde_json,
+/// which also words the error of a malformed body. Both give the same items (tested).
+pub fn parse_batch(body: &[u8]) -> Result<Vec<BatchItem<'_>>, Problem> {
+    if let Some(items) = std::str::from_utf8(body).ok().and_then(scan_batch) {
+        return Ok(items);
+    }
+    #[derive(Deserialize)]
+    struct BatchReq<'a> {
+        #[serde(borrow)]
+        ops: Vec<BatchItem<'a>>,
+    }
+    serde_json::from_slice::<BatchReq<'_>>(body)
+        .map(|r| r.ops)
+        .map_err(|e| Problem::invalid(format!("the body must be {{\"ops\":[…]}}: {e}")))
+}
+
+/// The common shape of a batch body, read by hand: `{"ops":[` objects `]}` whose field names
+/// are plain strings and whose values are plain strings, unsigned integers or `null`
+/// (JSON whitespace allowed between tokens). `None` for anything else (escapes, nested values,
+/// other numbers, booleans, other top-level fields, malformed text): serde_json reads it then.
+fn scan_batch(text: &str) -> Option<Vec<BatchItem<'_>>> {
+    let mut scan = Scan { text, at: 0 };
+    scan.eat(b'{')?;
+    if scan.string()? != "ops" {
+        return None;
+    }
+    scan.eat(b':')?;
+    scan.eat(b'[')?;
+    // At least ~40 bytes per claim item, and no more than a batch may hold (the count is
+    // checked after the parse; a body past it must not reserve memory for all its items).
+    let mut items =
+        Vec::with_capacity((text.len() / 40 + 1).min(dedupgate_core::BATCH_OPS_MAX + 1));
+    scan.ws();
+    if scan.peek()? == b']' {
+        scan.at += 1;
+    } else {
+        loop {
+            items.push(scan.item()?);
+            scan.ws();
+            match scan.peek()? {
+                b',' => scan.at += 1,
+                b']' => {
+                    scan.at += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+    }
+    scan.eat(b'}')?;
+    scan.ws();
+    (scan.at == text.len()).then_some(items)
+}
+
+struct Scan<'a> {
+    text: &'a str,
+    at: usize,
+}
+
+impl<'a> Scan<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.text.as_bytes().get(self.at).copied()
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.at += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> Option<()> {
+        self.ws();
+        (self.peek()? == byte).then(|| self.at += 1)
+    }
+
+    /// A string without escapes or control characters; its text without the quotes.
+    fn string(&mut self) -> Option<&'a str> {
+        self.ws();
+        if self.peek()? != b'"' {
+            return None;
+        }
+        let start = self.at + 1;
+        let bytes = self.text.as_bytes().get(start..)?;
+        let len = bytes
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+        if bytes[len] != b'"' {
+            return None;
+        }
+        self.at = start + len + 1;
+        self.text.get(start..start + len)
+    }
+
+    /// A plain string (quotes kept), an unsigned integer or `null`: its raw text.
+    fn value(&mut self) -> Option<&'a str> {
+        self.ws();
+        let start = self.at;
+        match self.peek()? {
+            b'"' => {
+                self.string()?;
+            }
+            b'0'..=b'9' => {
+                let digits = self.text.as_bytes()[start..]
+                    .iter()
+                    .take_while(|b| b.is_ascii_digit())
+                    .count();
+                // JSON has no leading zeros; a fraction or exponent stops the caller.
+                if digits > 1 && self.text.as_bytes()[start] == b'0' {
+                    return None;
+                }
+                self.at += digits;
+            }
+            b'n' if self.text[start..].starts_with("null") => self.at += 4,
+            _ => return None,
+        }
+        self.text.get(start..self.at)
+    }
+
+    fn item(&mut self) -> Option<BatchItem<'a>> {
+        self.eat(b'{')?;
+        let mut item = BatchItem::default();
+        self.ws();
+        if self.peek()? == b'}' {
+            self.at += 1;
+            return Some(item);
+        }
+        loop {
+            let name = self.string()?;
+            self.eat(b':')?;
+            let value = self.value()?;
+            item.set(name, value);
+            self.ws();
+            match self.peek()? {
+                b',' => self.at += 1,
+                b'}' => {
+                    self.at += 1;
+                    return Some(item);
+                }
+                _ => return None,
+            }
+        }
+    }
 }
 
 fn parse_from<'de, D>(
@@ -570,18 +751,8 @@ fn write_str(out: &mut Vec<u8>, s: &str) {
     }
 }
 
-fn write_u64(out: &mut Vec<u8>, mut n: u64) {
-    let mut buf = [0u8; 20];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&buf[i..]);
+fn write_u64(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 #[cfg(test)]
@@ -739,5 +910,134 @@ mod tests {
         )
         .unwrap();
         assert_eq!(parse_item(&twice, &d, &l).unwrap_err().status, 400);
+    }
+
+    /// What serde_json alone reads from a batch body (the reference for [`scan_batch`]).
+    fn serde_batch(body: &str) -> Option<Vec<BatchItem<'_>>> {
+        #[derive(Deserialize)]
+        struct BatchReq<'a> {
+            #[serde(borrow)]
+            ops: Vec<BatchItem<'a>>,
+        }
+        serde_json::from_str::<BatchReq<'_>>(body)
+            .ok()
+            .map(|r| r.ops)
+    }
+
+    #[test]
+    fn batch_scanner_reads_what_serde_reads() {
+        let common = r#"{"ops":[{"op":"claim","namespace":"bench","key":"1-2:1:7","ttl_ms":86400000},
+            {"op":"release","namespace":"n","key":"k","token":"t","x":null,"key":"j"}, {} ]}"#;
+        let fast = scan_batch(common).expect("the common shape takes the fast path");
+        assert_eq!(Some(fast), serde_batch(common));
+        assert_eq!(
+            scan_batch(common).unwrap()[1].refused,
+            Some(DUPLICATE_FIELD)
+        );
+        // Random bodies from fragments, valid and not: whenever the scanner reads one, serde
+        // must read the same items; whenever serde refuses one, so must the scanner.
+        let names = [
+            "op",
+            "namespace",
+            "key",
+            "token",
+            "ttl_ms",
+            "lease_ms",
+            "owner",
+            "result",
+            "zz",
+            "k\\u0065y",
+            "",
+        ];
+        let values = [
+            "\"claim\"",
+            "\"a b\"",
+            "\"\"",
+            "0",
+            "00",
+            "12",
+            "18446744073709551616",
+            "null",
+            "nul",
+            "nullx",
+            "1.5",
+            "1e3",
+            "-1",
+            "true",
+            "{}",
+            "[1]",
+            "\"\\n\"",
+            "\"é\"",
+            "\"\u{1}\"",
+        ];
+        // values[..PLAIN_VALUES] are in the scanner's shape, the rest are not.
+        const PLAIN_VALUES: usize = 10;
+        let ws = ["", "", " ", "\n\t", "\r"];
+        let seed: u64 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1;
+        eprintln!("batch scanner seed {seed}");
+        let mut x = seed;
+        let mut next = |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        };
+        let (mut fast_reads, mut bodies) = (0, 0);
+        for _ in 0..20_000 {
+            let mut outside = false;
+            let mut body = format!(
+                "{}{{{}\"ops\"{}:{}[",
+                ws[next(5)],
+                ws[next(5)],
+                ws[next(5)],
+                ws[next(5)]
+            );
+            for i in 0..next(4) {
+                if i > 0 {
+                    body.push_str([",", ",", ",", ",,", ""][next(5)]);
+                }
+                body.push('{');
+                for j in 0..next(5) {
+                    if j > 0 {
+                        body.push_str([",", ",", ",", ""][next(4)]);
+                    }
+                    let colon = [":", ":", ":", ""][next(4)];
+                    let (name, value) = (next(names.len()), next(values.len()));
+                    outside |= names[name].contains('\\') || value >= PLAIN_VALUES;
+                    body.push_str(&format!(
+                        "{}\"{}\"{}{}{}{}",
+                        ws[next(5)],
+                        names[name],
+                        ws[next(5)],
+                        colon,
+                        ws[next(5)],
+                        values[value]
+                    ));
+                }
+                body.push_str(["}", "}", "}", ""][next(4)]);
+            }
+            let ending = next(6);
+            body.push_str(["]}", "]}", "] } ", "]}x", "],\"a\":1}", "]"][ending]);
+            outside |= ending == 4;
+            bodies += 1;
+            let reference = serde_batch(&body);
+            match scan_batch(&body) {
+                Some(items) => {
+                    fast_reads += 1;
+                    assert_eq!(Some(items), reference, "seed {seed}: {body}");
+                }
+                None => assert!(
+                    reference.is_none() || outside,
+                    "seed {seed}: serde reads a plain body the scanner refused: {body}"
+                ),
+            }
+        }
+        assert!(
+            fast_reads > bodies / 20,
+            "seed {seed}: {fast_reads} of {bodies} read fast"
+        );
     }
 }

@@ -7,11 +7,16 @@
 //! - [`open`]: the store a spec names, as an `Arc<dyn Store>`; failures are an
 //!   [`OpenStoreError`] that names the store with its password redacted ([`redact`]) and keeps
 //!   the store's own error as its source (so callers can still match, e.g., a locked directory).
+//! - [`open_or_pending`]: the same, but a store whose server is unavailable at start becomes a
+//!   [`PendingStore`] answering `unavailable` while it keeps opening in the background.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use dedupgate_core::{MemoryStore, Store};
+
+mod pending;
+pub use pending::{open_or_pending, Backoff, PendingStore};
 
 /// Where the gate keeps its records.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,6 +112,26 @@ impl OpenStoreError {
                 matches!(source, dedupgate_embedded::OpenError::Locked { .. })
             }
             OpenStoreError::TieredFast(e) | OpenStoreError::TieredDurable(e) => e.is_locked(),
+            _ => false,
+        }
+    }
+
+    /// True when the store's server (Redis, PostgreSQL, in either tier) could not be reached or
+    /// did not answer: a failure that may pass, as opposed to a refusal of the URL, options or
+    /// configuration, or a server that answers but refuses the login or the database (a wrong
+    /// or missing Redis password, PostgreSQL SQLSTATE class 28, 3D or 42). An embedded store's
+    /// failures are never this: its disk is local.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            OpenStoreError::Redis { source, .. } => matches!(
+                source,
+                dedupgate_redis::OpenError::Connect { .. }
+                    | dedupgate_redis::OpenError::Unavailable { .. }
+            ),
+            OpenStoreError::Postgres { source, .. } => {
+                matches!(source, dedupgate_postgres::PgError::Unavailable(_))
+            }
+            OpenStoreError::TieredFast(e) | OpenStoreError::TieredDurable(e) => e.is_unavailable(),
             _ => false,
         }
     }

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::history::{wall_ns, Event, HAnswer, HOp};
 use crate::ledger::{Effect, JsonlLog, Sink};
-use crate::oracle::OracleReport;
+use crate::oracle::{effect_pairs, OracleReport};
 use crate::worker::{Delivery, DeliveryMode};
 
 /// Exit code `dedupgate run` is told to use for a skipped (duplicate) run.
@@ -397,47 +397,15 @@ pub fn check(
     r.events_checked = mode.len() as u64;
 
     // I1 from the ledger.
-    let mut fx_by_key: BTreeMap<Id, Vec<&Effect>> = BTreeMap::new();
-    for f in effects {
-        if f.accepted {
-            r.effects_accepted += 1;
-            fx_by_key
-                .entry((f.namespace.clone(), f.key.clone()))
-                .or_default()
-                .push(f);
-        } else {
-            r.late_writes_rejected += 1;
-        }
-    }
-    for (id, fx) in fx_by_key.iter_mut() {
-        fx.sort_by_key(|f| (f.fence, f.effect_ns));
-        let m = mode.get(id).copied();
-        for f in fx.iter() {
-            if m == Some(DeliveryMode::Retriable) && !invs.get(&f.attempt).is_some_and(|i| i.ended)
-            {
-                r.effects_without_completion_answer += 1;
-            }
-        }
-        if fx.len() < 2 {
-            continue;
-        }
-        if m != Some(DeliveryMode::Retriable) {
-            r.duplicates.push(format!(
-                "{}/{}: {} effects in the idempotent ordering (attempts {:?})",
-                id.0,
-                id.1,
-                fx.len(),
-                fx.iter().map(|f| &f.attempt).collect::<Vec<_>>()
-            ));
-            continue;
-        }
-        for pair in fx.windows(2) {
-            let (a, b) = (pair[0], pair[1]);
+    let fx_by_key = effect_pairs(
+        effects,
+        &mode,
+        &mut r,
+        |f| invs.get(&f.attempt).is_some_and(|i| i.ended),
+        |a, b| {
             let a_grant = a.fence / FENCE_PER_MS;
             let b_grant = b.fence / FENCE_PER_MS;
-            let why = if a.fence == b.fence {
-                Some("two effects with one fence".to_owned())
-            } else if invs.get(&a.attempt).is_some_and(Inv::acked) {
+            if invs.get(&a.attempt).is_some_and(Inv::acked) {
                 Some(format!(
                     "effect by {} after {}'s run was acknowledged (exit 0)",
                     b.attempt, a.attempt
@@ -449,13 +417,9 @@ pub fn check(
                 ))
             } else {
                 None
-            };
-            match why {
-                Some(w) => r.duplicates.push(format!("{}/{}: {w}", id.0, id.1)),
-                None => r.reexecutions += 1,
             }
-        }
-    }
+        },
+    );
 
     // Final reads: the last known Get of each key.
     let mut sorted: Vec<&Event> = events.iter().collect();

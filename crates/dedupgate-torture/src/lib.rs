@@ -15,7 +15,6 @@
 //!   (SIGKILL, SIGSTOP/SIGCONT), counting each, then drains and checks.
 //! - [`oracle`]: the checks I1-I5 of issue 7 over the ledger and the answer logs.
 //! - [`failover`]: the loss of a Redis failover (primary SIGKILLed, replica promoted), measured.
-//! - [`ownedpg`]: a PostgreSQL server a run owns, to `kill -9` and restart.
 //! - [`tcpfault`]: a TCP proxy that delays, cuts and truncates a store's connections, counted.
 //! - [`cron`]: the `dedupgate run` face as a workload, and its checks.
 //! - [`proxyface`]: the Idempotency-Key proxy as a workload, its upstream, and its checks.
@@ -39,7 +38,6 @@ pub mod ledger;
 pub mod lin;
 pub mod linrun;
 pub mod oracle;
-pub mod ownedpg;
 pub mod proxyface;
 pub mod runner;
 pub mod storage_faults;

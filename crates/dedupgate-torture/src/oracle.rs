@@ -81,6 +81,73 @@ fn attempt_of_result(v: &Option<serde_json::Value>) -> Option<String> {
     v.as_ref()?.get("attempt")?.as_str().map(str::to_owned)
 }
 
+/// An event: (namespace, key).
+pub(crate) type EventId = (String, String);
+
+/// I1 from the effect ledger, shared by [`check`] and `cron::check`: counts accepted
+/// and rejected effects into `r`, groups the accepted ones by event (sorted by fence, then
+/// effect time) and judges each consecutive pair. An idempotent event with two effects is a
+/// duplicate; for a retriable one, two effects with one fence are a duplicate, and otherwise
+/// `why(earlier, later)` names what makes the later one a duplicate (`None`: a re-execution the
+/// ordering allows). `answered` tells whether an effect's attempt got its completion answered
+/// (counted in `effects_without_completion_answer` when not, for retriable events). Returns the
+/// accepted effects by event.
+pub(crate) fn effect_pairs<'a>(
+    effects: &'a [Effect],
+    mode: &HashMap<EventId, DeliveryMode>,
+    r: &mut OracleReport,
+    answered: impl Fn(&Effect) -> bool,
+    why: impl Fn(&Effect, &Effect) -> Option<String>,
+) -> BTreeMap<EventId, Vec<&'a Effect>> {
+    let mut by_event: BTreeMap<EventId, Vec<&Effect>> = BTreeMap::new();
+    for f in effects {
+        if f.accepted {
+            r.effects_accepted += 1;
+            by_event
+                .entry((f.namespace.clone(), f.key.clone()))
+                .or_default()
+                .push(f);
+        } else {
+            r.late_writes_rejected += 1;
+        }
+    }
+    for (id, fx) in by_event.iter_mut() {
+        fx.sort_by_key(|f| (f.fence, f.effect_ns));
+        let m = mode.get(id).copied();
+        for f in fx.iter() {
+            if m == Some(DeliveryMode::Retriable) && !answered(f) {
+                r.effects_without_completion_answer += 1;
+            }
+        }
+        if fx.len() < 2 {
+            continue;
+        }
+        if m != Some(DeliveryMode::Retriable) {
+            r.duplicates.push(format!(
+                "{}/{}: {} effects in the idempotent ordering (attempts {:?})",
+                id.0,
+                id.1,
+                fx.len(),
+                fx.iter().map(|f| &f.attempt).collect::<Vec<_>>()
+            ));
+            continue;
+        }
+        for pair in fx.windows(2) {
+            let (a, b) = (pair[0], pair[1]);
+            let w = if a.fence == b.fence {
+                Some("two effects with one fence".to_owned())
+            } else {
+                why(a, b)
+            };
+            match w {
+                Some(w) => r.duplicates.push(format!("{}/{}: {w}", id.0, id.1)),
+                None => r.reexecutions += 1,
+            }
+        }
+    }
+    by_event
+}
+
 /// Checks I1-I5. `events` is every logged call (workers, drain and the final reads, which must
 /// be the last `Get` of each key); `deliveries` every delivery handed out.
 pub fn check(
@@ -163,70 +230,37 @@ pub fn check(
     }
 
     // I1 from the ledger.
-    let mut by_event: BTreeMap<Id, Vec<&Effect>> = BTreeMap::new();
-    for f in effects {
-        if f.accepted {
-            r.effects_accepted += 1;
-            by_event
-                .entry((f.namespace.clone(), f.key.clone()))
-                .or_default()
-                .push(f);
-        } else {
-            r.late_writes_rejected += 1;
-        }
-    }
-    for (id, mut fx) in by_event.clone() {
-        fx.sort_by_key(|f| (f.fence, f.effect_ns));
-        let m = mode.get(&id).copied();
-        for f in &fx {
-            let a = attempts.get(&f.attempt);
-            if m == Some(DeliveryMode::Retriable) && !a.is_some_and(|a| a.completion_answered) {
-                r.effects_without_completion_answer += 1;
-            }
-        }
-        if fx.len() < 2 {
-            continue;
-        }
-        if m != Some(DeliveryMode::Retriable) {
-            r.duplicates.push(format!(
-                "{}/{}: {} effects in the idempotent ordering (attempts {:?})",
-                id.0,
-                id.1,
-                fx.len(),
-                fx.iter().map(|f| &f.attempt).collect::<Vec<_>>()
-            ));
-            continue;
-        }
-        for pair in fx.windows(2) {
-            let (a, b) = (pair[0], pair[1]);
-            let why = if a.fence == b.fence {
-                Some("two effects with one fence".to_owned())
-            } else if attempts.get(&a.attempt).is_some_and(|x| x.completed_ack) {
-                Some(format!(
+    let by_event = effect_pairs(
+        effects,
+        &mode,
+        &mut r,
+        |f| {
+            attempts
+                .get(&f.attempt)
+                .is_some_and(|a| a.completion_answered)
+        },
+        |a, b| {
+            if attempts.get(&a.attempt).is_some_and(|x| x.completed_ack) {
+                return Some(format!(
                     "effect by {} after {}'s completion was acknowledged",
                     b.attempt, a.attempt
-                ))
-            } else {
-                let a_end = attempts
-                    .get(&a.attempt)
-                    .and_then(|x| x.grants.iter().map(|g| g.1).max());
-                let b_start = attempts
-                    .get(&b.attempt)
-                    .and_then(|x| x.grants.iter().map(|g| g.0).min());
-                match (a_end, b_start) {
-                    (Some(end), Some(start)) if start < end => Some(format!(
-                        "{} was granted at {start} ms inside {}'s lease (ends {end} ms)",
-                        b.attempt, a.attempt
-                    )),
-                    _ => None,
-                }
-            };
-            match why {
-                Some(w) => r.duplicates.push(format!("{}/{}: {w}", id.0, id.1)),
-                None => r.reexecutions += 1,
+                ));
             }
-        }
-    }
+            let a_end = attempts
+                .get(&a.attempt)
+                .and_then(|x| x.grants.iter().map(|g| g.1).max());
+            let b_start = attempts
+                .get(&b.attempt)
+                .and_then(|x| x.grants.iter().map(|g| g.0).min());
+            match (a_end, b_start) {
+                (Some(end), Some(start)) if start < end => Some(format!(
+                    "{} was granted at {start} ms inside {}'s lease (ends {end} ms)",
+                    b.attempt, a.attempt
+                )),
+                _ => None,
+            }
+        },
+    );
 
     // I3: fences in grant order, stale completions.
     let mut grants_by_key: BTreeMap<Id, Vec<(u64, u64, String)>> = BTreeMap::new();

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dedupgate_core::Store;
+use dedupgate_postgres::testkit::OwnedPg;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -28,7 +29,6 @@ use crate::faces::{self, HttpStore};
 use crate::ledger::{read_answer_logs, read_ledger};
 use crate::lin::{self, LinConfig};
 use crate::oracle::{self, OracleReport};
-use crate::ownedpg::OwnedPg;
 use crate::tcpfault::{route_through, TcpFaultCounts, TcpFaultPlan, TcpFaultProxy};
 use crate::worker::{Delivery, DeliveryMode, PauseNote, Worker, WorkerPlan};
 

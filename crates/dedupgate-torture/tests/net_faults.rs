@@ -36,6 +36,17 @@ fn assert_clean(r: &RunReport) {
 }
 
 fn assert_tcp_fired(r: &RunReport) {
+    assert_tcp_faults_fired(r);
+    // The faults reached the workers: some answers were unknown (unavailable or timed out).
+    assert!(
+        r.oracle.answers_unknown > 0,
+        "seed {}: no call saw the faults",
+        r.config.seed
+    );
+}
+
+/// Every kind of TCP fault fired in the run (not necessarily during a call).
+fn assert_tcp_faults_fired(r: &RunReport) {
     let seed = r.config.seed;
     let t = r
         .faults
@@ -43,14 +54,15 @@ fn assert_tcp_fired(r: &RunReport) {
         .as_ref()
         .expect("the run had a TCP fault proxy");
     assert!(t.delays > 0, "seed {seed}: no delay fired: {t:?}");
-    assert!(t.cuts > 0, "seed {seed}: no random cut fired: {t:?}");
+    // A cut at random or on command (a cut-all cycle): the plan is off while the run drains
+    // and reads back, so a short run can see its few random cuts land there (2026-11-21: 0 of
+    // 708 buffers cut at random, 4 cut on command).
+    assert!(
+        t.cuts + t.commanded_cuts > 0,
+        "seed {seed}: no connection was cut: {t:?}"
+    );
     assert!(t.truncations > 0, "seed {seed}: no truncation fired: {t:?}");
     assert!(r.faults.tcp_cut_all > 0, "seed {seed}: no cut-all cycle");
-    // The faults reached the workers: some answers were unknown (unavailable or timed out).
-    assert!(
-        r.oracle.answers_unknown > 0,
-        "seed {seed}: no call saw the faults"
-    );
 }
 
 fn tcp(c: &mut RunConfig) {
@@ -75,7 +87,11 @@ async fn library_face_over_redis_through_the_tcp_fault_proxy() {
 async fn library_face_over_postgres_through_the_tcp_fault_proxy() {
     let r = torture(&pg_url(), Face::Library, 12, tcp).await;
     assert_clean(&r);
-    assert_tcp_fired(&r);
+    // Not `assert_tcp_fired`: the connection pool drops a cut or truncated connection while it
+    // is idle (its recycle check) and opens another, so on a quiet machine a 12-cycle run often
+    // has no call in flight when a fault lands (2 runs in 4 had no unknown answer, 2026-11-21).
+    // What this run must show is that whatever did reach a call was never a wrong answer.
+    assert_tcp_faults_fired(&r);
 }
 
 /// The gate process's store connections go through the proxy: the workers must see 503s

@@ -442,6 +442,10 @@ impl Drop for Server {
 }
 
 fn serve() -> Server {
+    serve_on("memory:")
+}
+
+fn serve_on(store: &str) -> Server {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -454,7 +458,7 @@ fn serve() -> Server {
             "--listen",
             &format!("127.0.0.1:{port}"),
             "--store",
-            "memory:",
+            store,
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -468,6 +472,42 @@ fn serve() -> Server {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
     server
+}
+
+/// The first thing a new user meets: `dedupgate serve` holds the default directory, so a `run`
+/// on the same store fails as a gate failure (125) and says how to go through the server.
+#[test]
+fn a_store_held_by_a_server_is_refused_with_the_way_through_it() {
+    let env = Env::new("held");
+    let dir = env.path("data");
+    let store = format!("embedded:{}", dir.display());
+    let _server = serve_on(&store);
+    let script = append(&env.path("count"));
+    let held = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args([
+            "run",
+            "--store",
+            &store,
+            "--lock-wait",
+            "100ms",
+            "--key",
+            "held",
+        ])
+        .args(["--", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(code(&held), 125, "{}", stderr(&held));
+    for hint in [
+        "in use",
+        "dedupgate serve",
+        "--server URL",
+        "another --store",
+    ] {
+        assert!(stderr(&held).contains(hint), "{hint}: {}", stderr(&held));
+    }
+    assert_eq!(env.count_lines("count"), 0, "CMD must not run");
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 
 use dedupgate_proxy::sample::SampleApi;
-use proxy_support::{free_port, start_proxy, Proc, Scratch};
+use proxy_support::{free_port, sample_api, start_proxy, Proc, Scratch};
 
 struct Setup {
     _rt: tokio::runtime::Runtime,
@@ -17,14 +17,7 @@ struct Setup {
 }
 
 fn setup(tag: &str, extra: &[&str]) -> Setup {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let api = rt.block_on(async {
-        SampleApi::spawn(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap()
-    });
+    let (rt, api) = sample_api();
     let dir = Scratch::new(tag);
     let port = free_port();
     let url = api.url();

@@ -8,36 +8,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dedupgate_proxy::sample::SampleApi;
-use proxy_support::{free_port, http, start_proxy, Reply, Scratch};
+use proxy_support::{free_port, post_order as post, sample_api, start_proxy, Reply, Scratch};
 
 /// Each burst request's key and what came back (None: cut off).
 type Answers = Vec<(String, Option<Reply>)>;
 
-fn post(addr: SocketAddr, path: &str, key: &str) -> Option<Reply> {
-    let body = format!("{{\"order\":\"{key}\"}}");
-    http(
-        addr,
-        "POST",
-        path,
-        &[
-            ("idempotency-key", key),
-            ("content-type", "application/json"),
-        ],
-        body.as_bytes(),
-    )
-}
-
 #[test]
 fn sigkill_mid_request_never_reruns_a_completed_request() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let api = rt.block_on(async {
-        SampleApi::spawn(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap()
-    });
+    let (_rt, api) = sample_api();
     let dir = Scratch::new("proxy-sigkill");
     // The embedded store by default; DEDUPGATE_TEST_PROXY_STORE may name another durable one.
     let store = std::env::var("DEDUPGATE_TEST_PROXY_STORE")

@@ -1,8 +1,6 @@
 //! Helpers shared by the integration tests: the local server's URL and a schema of their own.
 #![allow(dead_code)] // each test binary uses a different part
 
-pub mod owned;
-
 use dedupgate_postgres::{PgOptions, PgStore};
 use rand::Rng;
 

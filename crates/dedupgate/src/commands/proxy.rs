@@ -8,7 +8,6 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::Context;
 use dedupgate_proxy::http::HeaderName;
@@ -197,8 +196,12 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn serve(r: Resolved) -> anyhow::Result<()> {
-    let store: Arc<dyn dedupgate_core::Store> =
-        store_spec::open(&r.store).await.with_context(|| {
+    // A store whose server is down at start (Redis, PostgreSQL) does not stop the proxy: it
+    // starts, answers gated requests 503 `unavailable` and keeps opening the store with
+    // backoff; other requests pass through meanwhile. A refused configuration still stops it.
+    let (store, pending) = store_spec::open_or_pending(&r.store, store_spec::Backoff::default())
+        .await
+        .with_context(|| {
             format!(
                 "cannot open store {}",
                 super::pipeline::backend::describe(&r.store)
@@ -210,10 +213,19 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
     let server = ProxyServer::bind(r.config, store)
         .await
         .context("cannot start the proxy")?;
-    tracing::info!(
-        "dedupgate proxy listening on http://{} upstream={upstream} store={describe} encrypted_at_rest={encrypted}",
-        server.local_addr()?
-    );
+    let addr = server.local_addr()?;
+    match pending {
+        None => tracing::info!(
+            "dedupgate proxy listening on http://{addr} upstream={upstream} store={describe} encrypted_at_rest={encrypted}"
+        ),
+        Some(e) => tracing::warn!(
+            "dedupgate proxy listening on http://{addr} upstream={upstream} store={describe} encrypted_at_rest={encrypted}; \
+             requests with an Idempotency-Key get 503 until the store opens, retried in the \
+             background with backoff (up to {} s): {:#}",
+            store_spec::Backoff::default().max.as_secs(),
+            anyhow::Error::new(e)
+        ),
+    }
     server.run(super::shutdown_signal()).await?;
     tracing::info!("dedupgate proxy stopped");
     Ok(())

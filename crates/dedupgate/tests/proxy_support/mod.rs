@@ -9,6 +9,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use dedupgate_proxy::sample::SampleApi;
+
 /// A child process killed (SIGKILL) and reaped on drop.
 pub struct Proc(pub Child);
 
@@ -17,6 +19,20 @@ impl Drop for Proc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The sample API on a free port, served by its own two-thread runtime (kept alive by the
+/// returned runtime).
+pub fn sample_api() -> (tokio::runtime::Runtime, SampleApi) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let api = rt.block_on(async {
+        SampleApi::spawn(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()).unwrap()
+    });
+    (rt, api)
 }
 
 /// A port nobody listens on right now.
@@ -121,6 +137,21 @@ pub fn http(
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).ok()?;
     parse(&raw)
+}
+
+/// `POST path` with `Idempotency-Key: key` and the JSON body `{"order":"key"}`.
+pub fn post_order(addr: SocketAddr, path: &str, key: &str) -> Option<Reply> {
+    let body = format!("{{\"order\":\"{key}\"}}");
+    http(
+        addr,
+        "POST",
+        path,
+        &[
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ],
+        body.as_bytes(),
+    )
 }
 
 fn parse(raw: &[u8]) -> Option<Reply> {

@@ -47,7 +47,20 @@ async fn open_waiting(spec: &StoreSpec, lock_wait_ms: u64) -> anyhow::Result<Arc
             Err(e) if e.is_locked() && started.elapsed().as_millis() < u128::from(lock_wait_ms) => {
                 tokio::time::sleep(Duration::from_millis(LOCK_RETRY_MS)).await;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                let locked = e.is_locked();
+                let err =
+                    anyhow::Error::new(e).context(format!("opening store {}", describe(spec)));
+                // The usual cause: `dedupgate serve` holds the default directory.
+                return Err(if locked {
+                    err.context(
+                        "the store is in use: is `dedupgate serve` running on it? \
+                         Go through it with --server URL, or pick another --store",
+                    )
+                } else {
+                    err
+                });
+            }
         }
     }
 }
@@ -65,9 +78,7 @@ impl Backend {
             ));
         }
         let spec = spec.unwrap_or_default();
-        let store = open_waiting(&spec, lock_wait_ms)
-            .await
-            .with_context(|| format!("opening store {}", describe(&spec)))?;
+        let store = open_waiting(&spec, lock_wait_ms).await?;
         Ok(Backend::Local {
             spec,
             gate: Some(Gate::from_arc(store)),
@@ -85,11 +96,7 @@ impl Backend {
         let spec_or_default = spec.clone().unwrap_or_default();
         if server.is_none() && matches!(spec_or_default, StoreSpec::Embedded(_)) {
             // Open once now so a bad directory fails before anything runs.
-            drop(
-                open_waiting(&spec_or_default, lock_wait_ms)
-                    .await
-                    .with_context(|| format!("opening store {}", describe(&spec_or_default)))?,
-            );
+            drop(open_waiting(&spec_or_default, lock_wait_ms).await?);
             return Ok(Backend::Local {
                 spec: spec_or_default,
                 gate: None,
@@ -109,11 +116,7 @@ impl Backend {
                 spec,
                 gate: None,
                 lock_wait_ms,
-            } => Ok(Gate::from_arc(
-                open_waiting(spec, *lock_wait_ms)
-                    .await
-                    .with_context(|| format!("opening store {}", describe(spec)))?,
-            )),
+            } => Ok(Gate::from_arc(open_waiting(spec, *lock_wait_ms).await?)),
             Backend::Remote(_) => Err(anyhow!("no local gate for a server backend")),
         }
     }

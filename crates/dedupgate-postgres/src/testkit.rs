@@ -1,14 +1,17 @@
-//! A PostgreSQL server a torture run owns, so it can `kill -9` and restart it: initdb and pg_ctl
-//! from the installed binaries (`DEDUPGATE_PG_BIN`, default `/usr/lib/postgresql/15/bin`), on a
-//! free loopback port, fsync and synchronous commit on, in a directory under the temp dir that
-//! is removed on drop. initdb and postgres refuse to run as root, so as root every command runs
-//! as the `postgres` user through `runuser`, as `dedupgate-postgres`'s owned-server test helper
-//! does (this is that helper with errors instead of panics, for a library).
+//! A PostgreSQL server a test or torture run owns, so it can `kill -9` and restart it:
+//! [`OwnedPg`] runs initdb and pg_ctl from the installed binaries (`DEDUPGATE_PG_BIN`, default
+//! `/usr/lib/postgresql/15/bin`) on a free loopback port, fsync and synchronous commit on, in a
+//! directory under the temp dir that is removed on drop. initdb and postgres refuse to run as
+//! root, so as root every command runs as the `postgres` user through `runuser`, in a directory
+//! it owns. Nothing is mocked; errors are returned, never panics.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use rustix::process::{kill_process, test_kill_process, Pid, Signal};
+
+/// Where Debian/Ubuntu install PostgreSQL 15's server binaries (override with `DEDUPGATE_PG_BIN`).
 fn bin_dir() -> PathBuf {
     std::env::var_os("DEDUPGATE_PG_BIN")
         .map(PathBuf::from)
@@ -53,7 +56,7 @@ impl OwnedPg {
             .local_addr()?
             .port();
         let dir = std::env::temp_dir().join(format!(
-            "dedupgate-torture-pg-{}-{port}-{:x}",
+            "dedupgate-pg-{}-{port}-{:x}",
             std::process::id(),
             rand::random::<u32>()
         ));
@@ -107,6 +110,11 @@ impl OwnedPg {
         self.port
     }
 
+    /// The directory, for messages.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn run(&self, tool: &str, args: &[&str]) -> std::io::Result<Output> {
         let exe = bin_dir().join(tool);
         let mut cmd = if self.as_postgres {
@@ -116,7 +124,10 @@ impl OwnedPg {
         } else {
             Command::new(&exe)
         };
-        cmd.args(args).current_dir(&self.dir).output()
+        cmd.args(args)
+            .current_dir(&self.dir)
+            .output()
+            .map_err(|e| std::io::Error::new(e.kind(), format!("run {}: {e}", exe.display())))
     }
 
     fn pg_ctl_start(&self) -> std::io::Result<()> {
@@ -160,14 +171,14 @@ impl OwnedPg {
         }
     }
 
-    fn postmaster_pid(&self) -> Option<i32> {
+    fn postmaster_pid(&self) -> Option<Pid> {
         let text = std::fs::read_to_string(self.data().join("postmaster.pid")).ok()?;
-        text.lines().next()?.trim().parse().ok()
+        Pid::from_raw(text.lines().next()?.trim().parse().ok()?)
     }
 
     /// Every live process of this cluster (the postmaster and its backends all run with the data
     /// directory as their working directory).
-    fn cluster_pids(&self) -> Vec<rustix::process::Pid> {
+    fn cluster_pids(&self) -> Vec<Pid> {
         let data = std::fs::canonicalize(self.data()).unwrap_or_else(|_| self.data());
         std::fs::read_dir("/proc")
             .map(|entries| {
@@ -177,28 +188,35 @@ impl OwnedPg {
                         let pid: i32 = e.file_name().to_str()?.parse().ok()?;
                         let cwd = std::fs::read_link(e.path().join("cwd")).ok()?;
                         (cwd == data).then_some(())?;
-                        rustix::process::Pid::from_raw(pid)
+                        Pid::from_raw(pid)
                     })
                     .collect()
             })
             .unwrap_or_default()
     }
 
+    /// `kill -9` of the postmaster only (its backends notice and exit on their own); see
+    /// [`OwnedPg::any_process_alive`] to wait for them and [`OwnedPg::restart`] to start again.
+    pub fn kill9(&self) -> std::io::Result<()> {
+        let pid = self
+            .postmaster_pid()
+            .ok_or_else(|| std::io::Error::other("no running postmaster"))?;
+        kill_process(pid, Signal::KILL)?;
+        Ok(())
+    }
+
     /// `kill -9` of the postmaster and of every backend at once (as a host crash would end
     /// them), then a start on the same data directory and port: crash recovery replays the WAL.
     pub fn kill9_and_restart(&self) -> std::io::Result<()> {
-        if let Some(pid) = self
-            .postmaster_pid()
-            .and_then(rustix::process::Pid::from_raw)
-        {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        if let Some(pid) = self.postmaster_pid() {
+            let _ = kill_process(pid, Signal::KILL);
             for p in self.cluster_pids() {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+                let _ = kill_process(p, Signal::KILL);
             }
             // Until it is gone, pg_ctl would see it still running.
             let gone = Instant::now() + Duration::from_secs(10);
             while Instant::now() < gone
-                && rustix::process::test_kill_process(pid).is_ok()
+                && test_kill_process(pid).is_ok()
                 && !std::fs::read_to_string(format!("/proc/{}/stat", pid.as_raw_nonzero()))
                     .is_ok_and(|s| {
                         s.rsplit_once(')')
@@ -211,9 +229,23 @@ impl OwnedPg {
         self.pg_ctl_start()
     }
 
-    /// The directory, for messages.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Starts the server again on the same data directory and port (crash recovery runs).
+    pub fn restart(&self) -> std::io::Result<()> {
+        self.pg_ctl_start()
+    }
+
+    /// True while something accepts connections on the port.
+    pub fn accepting(&self) -> bool {
+        std::net::TcpStream::connect_timeout(
+            &std::net::SocketAddr::from(([127, 0, 0, 1], self.port)),
+            Duration::from_millis(200),
+        )
+        .is_ok()
+    }
+
+    /// True while any process of this cluster lives (the postmaster or a backend it left behind).
+    pub fn any_process_alive(&self) -> bool {
+        !self.cluster_pids().is_empty()
     }
 }
 
@@ -230,13 +262,13 @@ impl Drop for OwnedPg {
                 "stop",
             ],
         );
-        // Only if stop failed and the pid file still names this cluster's postmaster.
+        // Only if stop failed and the pid file still names this cluster's postmaster (never a
+        // reused pid).
         if let Some(pid) = self.postmaster_pid() {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = std::fs::read(format!("/proc/{}/cmdline", pid.as_raw_nonzero()))
+                .unwrap_or_default();
             if String::from_utf8_lossy(&cmdline).contains(&*self.dir.to_string_lossy()) {
-                if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                    let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-                }
+                let _ = kill_process(pid, Signal::KILL);
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -1,0 +1,106 @@
+//! NATS JetStream through async-nats: [`handle`] runs one message of a pull consumer through a
+//! [`ConsumerGate`] and acks, naks (with the retry delay) or terms it as [`Handled::action`]
+//! says.
+//!
+//! The key is the `Nats-Msg-Id` header (or a key template over the JSON payload). JetStream drops
+//! a republished `Nats-Msg-Id` only within the stream's duplicate window (2 minutes by default);
+//! the gate covers its ttl, and redeliveries after a missed ack. The consumer needs
+//! `AckPolicy::Explicit`. Acks are double acks: [`handle`] returns once the server has the ack.
+
+use std::fmt;
+use std::future::Future;
+
+use async_nats::jetstream::{AckKind, Message as JsMessage};
+use serde::Serialize;
+
+use crate::{Action, ConsumerGate, Handled, Message};
+
+/// The header the key comes from.
+pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// Why a message could not be settled with the server. Unsettled, it is redelivered after the
+/// consumer's ack wait.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NatsError {
+    /// The ack, nak or term failed.
+    #[error("nats: could not {action} the message: {source}")]
+    Settle {
+        /// `ack`, `nak` or `term`.
+        action: &'static str,
+        /// The client error.
+        source: async_nats::Error,
+    },
+}
+
+/// Processes one JetStream message through the gate, then settles it: ack (double ack), nak
+/// with the retry delay, or term. Returns what happened.
+///
+/// ```no_run
+/// # async fn demo(gate: dedupgate_consumers::ConsumerGate, consumer: async_nats::jetstream::consumer::PullConsumer) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use futures::StreamExt;
+/// let mut messages = consumer.messages().await?;
+/// while let Some(message) = messages.next().await {
+///     let handled = dedupgate_consumers::nats::handle(&gate, &message?, |msg| async move {
+///         println!("charging {}", msg.key);
+///         Ok::<_, std::io::Error>("done")
+///     })
+///     .await?;
+///     println!("{handled}");
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn handle<H, Fut, T, E>(
+    gate: &ConsumerGate,
+    message: &JsMessage,
+    handler: H,
+) -> Result<Handled<T, E>, NatsError>
+where
+    H: FnOnce(Message) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    T: Serialize,
+    E: fmt::Display,
+{
+    let message_id = message
+        .headers
+        .as_ref()
+        // A received header is parsed into the standard name, which a `&str` lookup (a custom
+        // name) does not match; the `&str` form finds one set on a locally built map.
+        .and_then(|headers| {
+            headers
+                .get(async_nats::header::NATS_MESSAGE_ID)
+                .or_else(|| headers.get(MESSAGE_ID_HEADER))
+        })
+        .map(|value| value.as_str());
+    let redelivered = message
+        .info()
+        .map(|info| info.delivered > 1)
+        .unwrap_or(false);
+    let handled = gate
+        .process(
+            message_id,
+            MESSAGE_ID_HEADER,
+            &message.payload,
+            redelivered,
+            handler,
+        )
+        .await;
+    settle(message, handled.action()).await?;
+    Ok(handled)
+}
+
+/// Carries out `action` on `message`.
+pub async fn settle(message: &JsMessage, action: Action) -> Result<(), NatsError> {
+    let (name, result) = match action {
+        Action::Ack => ("ack", message.double_ack().await),
+        Action::Retry { after } => {
+            let delay = (!after.is_zero()).then_some(after);
+            ("nak", message.ack_with(AckKind::Nak(delay)).await)
+        }
+        Action::Reject => ("term", message.ack_with(AckKind::Term).await),
+    };
+    result.map_err(|source| NatsError::Settle {
+        action: name,
+        source,
+    })
+}

@@ -1,0 +1,228 @@
+//! Against the machine's NATS JetStream (`DEDUPGATE_TEST_NATS_URL`, default
+//! `nats://127.0.0.1:4222`): a durable pull consumer read by two concurrent tasks sharing one
+//! embedded store runs the handler once per key, whether duplicates come as republished
+//! `Nats-Msg-Id`s, as copies keyed by a template over the payload, or as redeliveries after a
+//! failed handler; a message without a usable key is termed with the reason. Each test uses its
+//! own stream and deletes it.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
+use common::{keys, unique, Ledger};
+use dedupgate_consumers::{nats, ConsumerGate};
+use dedupgate_core::keys::KeyTemplate;
+use dedupgate_core::Mode;
+
+/// JetStream drops a republished `Nats-Msg-Id` within the stream's duplicate window; the tests
+/// keep it short and publish each round of copies after it, as copies arrive in production
+/// after the default 2-minute window.
+const DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
+
+struct Fixture {
+    js: jetstream::Context,
+    stream: String,
+    subject: String,
+    consumer: jetstream::consumer::PullConsumer,
+}
+
+async fn fixture() -> Fixture {
+    let url =
+        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let client = async_nats::connect(&url).await.unwrap_or_else(|e| {
+        panic!("these tests need NATS with JetStream at {url} (DEDUPGATE_TEST_NATS_URL): {e}")
+    });
+    let js = jetstream::new(client);
+    let name = unique("dedupgate-consumers");
+    let subject = format!("dedupgate.test.{name}");
+    let stream = js
+        .create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            duplicate_window: DUPLICATE_WINDOW,
+            max_age: Duration::from_secs(600),
+            ..Default::default()
+        })
+        .await
+        .expect("create stream");
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("workers".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .expect("create consumer");
+    Fixture {
+        js,
+        stream: name,
+        subject,
+        consumer,
+    }
+}
+
+impl Fixture {
+    /// Publishes and waits for the stream's ack; true when JetStream stored it (not dropped as
+    /// a duplicate within its window).
+    async fn publish(&self, message_id: Option<&str>, payload: &[u8]) -> bool {
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(id) = message_id {
+            headers.insert(nats::MESSAGE_ID_HEADER, id);
+        }
+        let ack = self
+            .js
+            .publish_with_headers(self.subject.clone(), headers, payload.to_vec().into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stream ack");
+        !ack.duplicate
+    }
+
+    /// Runs `tasks` concurrent readers of the one durable consumer until `expected` messages
+    /// were settled for good (acked or termed).
+    async fn consume(
+        &self,
+        gate: &ConsumerGate,
+        ledger: &Arc<Ledger>,
+        tasks: usize,
+        expected: usize,
+    ) {
+        let mut readers = Vec::new();
+        for _ in 0..tasks {
+            readers.push(self.consumer.messages().await.expect("messages"));
+        }
+        common::consume(
+            readers,
+            gate,
+            ledger,
+            expected,
+            |gate, ledger, message| async move {
+                let message = message.expect("message");
+                nats::handle(&gate, &message, |msg| ledger.handle(msg))
+                    .await
+                    .expect("settle")
+            },
+        )
+        .await;
+    }
+
+    /// Nothing left to deliver and nothing delivered but unsettled.
+    async fn assert_all_settled(&self, published: usize) {
+        let info = self.consumer.get_info().await.expect("consumer info");
+        assert_eq!(info.num_pending, 0, "undelivered messages: {info:?}");
+        assert_eq!(info.num_ack_pending, 0, "unacked messages: {info:?}");
+        assert_eq!(info.delivered.stream_sequence, published as u64);
+    }
+
+    async fn delete(self) {
+        self.js
+            .delete_stream(&self.stream)
+            .await
+            .expect("delete stream");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn republished_ids_and_redeliveries_run_once_across_two_consumers() {
+    let fx = fixture().await;
+    let keys = keys(20);
+    let payload = |k: &str| format!("{{\"order\":\"{k}\",\"amount\":100}}").into_bytes();
+    // Three rounds of every key, each after JetStream's duplicate window, so every copy is
+    // stored and delivered: the gate is what drops them.
+    for round in 0..3 {
+        if round > 0 {
+            tokio::time::sleep(DUPLICATE_WINDOW * 3).await;
+        }
+        for k in &keys {
+            assert!(
+                fx.publish(Some(k), &payload(k)).await,
+                "JetStream dropped {k} (round {round})"
+            );
+        }
+    }
+    assert!(fx.publish(None, b"{\"order\":\"no-id\"}").await);
+    let published = keys.len() * 3 + 1;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let ledger = Ledger::new(&["key-04", "key-09"]);
+    fx.consume(&gate, &ledger, 2, published).await;
+
+    eprintln!("outcomes: {:?}", ledger.summary());
+    let succeeded = ledger.succeeded();
+    for k in &keys {
+        assert_eq!(
+            succeeded.get(k),
+            Some(&1),
+            "{k}: {:?}",
+            ledger.outcomes.lock().unwrap()
+        );
+    }
+    assert_eq!(succeeded.len(), keys.len());
+    let failed = ledger.failed();
+    assert_eq!(
+        failed.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["key-04", "key-09"]
+    );
+    assert!(failed.values().all(|n| *n == 1), "failures: {failed:?}");
+    assert_eq!(ledger.count("ran"), keys.len());
+    assert_eq!(ledger.count("duplicate"), keys.len() * 2);
+    assert_eq!(
+        ledger.rejections(),
+        ["rejected: the message has no Nats-Msg-Id, and the key comes from it"]
+    );
+    fx.assert_all_settled(published).await;
+    fx.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn template_keys_dedup_copies_and_unkeyable_payloads_are_termed() {
+    let fx = fixture().await;
+    let keys = keys(12);
+    let payload = |k: &str| format!("{{\"order\":\"{k}\",\"amount\":100}}").into_bytes();
+    // No Nats-Msg-Id: JetStream stores every copy; the key is the payload's `order` field.
+    // The copies go back to back, so the two readers often hold the same key at once.
+    for k in &keys {
+        for _copy in 0..3 {
+            assert!(fx.publish(None, &payload(k)).await);
+        }
+    }
+    assert!(fx.publish(None, b"{\"amount\":5}").await);
+    assert!(fx.publish(None, b"not json").await);
+    let published = keys.len() * 3 + 2;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.key_template(KeyTemplate::parse("order_{order}").expect("template"));
+    let ledger = Ledger::new(&["order_key-01"]);
+    fx.consume(&gate, &ledger, 2, published).await;
+
+    eprintln!("outcomes: {:?}", ledger.summary());
+    let succeeded = ledger.succeeded();
+    for k in &keys {
+        assert_eq!(
+            succeeded.get(&format!("order_{k}")),
+            Some(&1),
+            "{k}: {succeeded:?}"
+        );
+    }
+    assert_eq!(succeeded.len(), keys.len());
+    assert_eq!(ledger.failed().get("order_key-01"), Some(&1));
+    assert_eq!(ledger.count("duplicate"), keys.len() * 2);
+    let rejections = ledger.rejections();
+    assert_eq!(rejections.len(), 2, "{rejections:?}");
+    assert_eq!(
+        rejections[0],
+        "rejected: key template \"order_{order}\": missing field `order`"
+    );
+    assert!(
+        rejections[1].starts_with(
+            "rejected: the payload is not JSON, so key template \"order_{order}\" cannot be rendered"
+        ),
+        "{rejections:?}"
+    );
+    fx.assert_all_settled(published).await;
+    fx.delete().await;
+}

@@ -1,0 +1,305 @@
+//! Against the machine's RabbitMQ (`DEDUPGATE_TEST_AMQP_URL`, default
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`): duplicates and redeliveries across two concurrent
+//! consumers sharing one embedded store run the handler once per key; a failed handler is
+//! retried on redelivery; a message without a key, or a key reused with another payload, is
+//! rejected to the dead-letter queue. Each test uses its own queues and deletes them.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{amqp, keys, unique, Ledger};
+use dedupgate_consumers::{rabbitmq, Action, ConsumerGate, Handled, Rejection};
+use dedupgate_core::Mode;
+use futures::StreamExt;
+use lapin::options::{BasicGetOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection};
+
+/// The work queue (dead-lettering to `dlq` through the default exchange) and the dead-letter
+/// queue. Both expire after 10 unused minutes should a failed test leave them behind.
+async fn declare(channel: &Channel, queue: &str, dlq: &str) {
+    let mut expiring = FieldTable::default();
+    expiring.insert("x-expires".into(), AMQPValue::LongInt(600_000));
+    channel
+        .queue_declare(dlq, QueueDeclareOptions::default(), expiring.clone())
+        .await
+        .expect("declare dlq");
+    let mut args = expiring;
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(dlq.into()),
+    );
+    channel
+        .queue_declare(queue, QueueDeclareOptions::default(), args)
+        .await
+        .expect("declare queue");
+}
+
+fn payload(key: &str) -> Vec<u8> {
+    format!("{{\"order\":\"{key}\",\"amount\":100}}").into_bytes()
+}
+
+/// Runs `consumers` consumers on `queue`, each on its own channel, until `expected` deliveries
+/// were settled for good (acked or rejected). Returns their outcomes through `ledger`.
+async fn consume(
+    conn: &Connection,
+    queue: &str,
+    gate: &ConsumerGate,
+    ledger: &Arc<Ledger>,
+    consumers: usize,
+    expected: usize,
+) {
+    let mut channels = Vec::new();
+    let mut streams = Vec::new();
+    for i in 0..consumers {
+        let channel = conn.create_channel().await.expect("channel");
+        channel
+            .basic_qos(4, BasicQosOptions::default())
+            .await
+            .expect("qos");
+        streams.push(amqp::consumer(&channel, queue, &format!("consumer-{i}")).await);
+        channels.push(channel);
+    }
+    common::consume(
+        streams,
+        gate,
+        ledger,
+        expected,
+        |gate, ledger, delivery| async move {
+            let delivery = delivery.expect("delivery");
+            rabbitmq::handle(&gate, &delivery, |msg| ledger.handle(msg))
+                .await
+                .expect("settle")
+        },
+    )
+    .await;
+    // Closing the channels returns any unacked delivery to the queue, where the final message
+    // count would show it.
+    for channel in channels {
+        channel
+            .close(200, "test done")
+            .await
+            .expect("close channel");
+    }
+}
+
+/// A connection, a channel with publisher confirms, and a fresh work queue with its dead-letter
+/// queue, declared.
+async fn setup() -> (Connection, Channel, String, String) {
+    let conn = amqp::connect().await;
+    let channel = amqp::confirming_channel(&conn).await;
+    let (queue, dlq) = (
+        unique("dedupgate-consumers"),
+        unique("dedupgate-consumers-dlq"),
+    );
+    declare(&channel, &queue, &dlq).await;
+    (conn, channel, queue, dlq)
+}
+
+async fn message_count(channel: &Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("passive declare")
+        .message_count()
+}
+
+async fn drain(channel: &Channel, queue: &str) -> Vec<(Option<String>, Vec<u8>)> {
+    let mut out = Vec::new();
+    while let Some(got) = channel
+        .basic_get(queue, BasicGetOptions { no_ack: true })
+        .await
+        .expect("basic.get")
+    {
+        let d = got.delivery;
+        out.push((
+            d.properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str().to_owned()),
+            d.data,
+        ));
+    }
+    out
+}
+
+async fn delete(channel: &Channel, queues: &[&str]) {
+    for q in queues {
+        channel
+            .queue_delete(q, QueueDeleteOptions::default())
+            .await
+            .expect("delete queue");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_and_redeliveries_run_once_across_two_consumers() {
+    let (conn, channel, queue, dlq) = setup().await;
+
+    // 20 keys, each published three times: two copies back to back (so the two consumers get
+    // them at once and one finds the key in progress), a third after all the others.
+    let keys = keys(20);
+    for k in &keys {
+        amqp::publish(&channel, &queue, Some(k), &payload(k)).await;
+        amqp::publish(&channel, &queue, Some(k), &payload(k)).await;
+    }
+    for k in &keys {
+        amqp::publish(&channel, &queue, Some(k), &payload(k)).await;
+    }
+    // No message id: rejected. key-00 again with another payload: rejected as key reuse.
+    amqp::publish(&channel, &queue, None, b"{\"order\":\"no-id\"}").await;
+    amqp::publish(
+        &channel,
+        &queue,
+        Some("key-00"),
+        b"{\"order\":\"key-00\",\"amount\":999}",
+    )
+    .await;
+    let published = keys.len() * 3 + 2;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let ledger = Ledger::new(&["key-03", "key-07", "key-11"]);
+    consume(&conn, &queue, &gate, &ledger, 2, published).await;
+
+    eprintln!("outcomes: {:?}", ledger.summary());
+    let succeeded = ledger.succeeded();
+    for k in &keys {
+        assert_eq!(
+            succeeded.get(k),
+            Some(&1),
+            "{k} ran {:?} times",
+            succeeded.get(k)
+        );
+    }
+    assert_eq!(succeeded.len(), keys.len(), "runs: {succeeded:?}");
+    let failed = ledger.failed();
+    assert_eq!(
+        failed.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["key-03", "key-07", "key-11"]
+    );
+    assert!(failed.values().all(|n| *n == 1), "failures: {failed:?}");
+    assert_eq!(ledger.count("ran"), keys.len());
+    assert_eq!(ledger.count("failed"), 3);
+    assert_eq!(
+        ledger.rejections(),
+        [
+            "rejected: key \"key-00\" was seen with a different payload (fingerprint mismatch)",
+            "rejected: the message has no AMQP message_id property, and the key comes from it",
+        ]
+    );
+    assert_eq!(ledger.count("duplicate"), published - keys.len() - 2);
+
+    // Every delivery was acked or rejected: nothing is left in the work queue, and exactly the
+    // two rejected messages are in the dead-letter queue.
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    let mut dead = drain(&channel, &dlq).await;
+    dead.sort();
+    assert_eq!(
+        dead,
+        vec![
+            (None, b"{\"order\":\"no-id\"}".to_vec()),
+            (
+                Some("key-00".to_owned()),
+                b"{\"order\":\"key-00\",\"amount\":999}".to_vec()
+            ),
+        ]
+    );
+    // The stored result of a run is what its duplicates see.
+    let record = gate
+        .gate()
+        .get("consumers-test", "key-05")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.result, Some(serde_json::json!("done:key-05")));
+
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_without_a_key_is_rejected_with_the_reason() {
+    let (conn, channel, queue, dlq) = setup().await;
+    amqp::publish(&channel, &queue, None, b"{\"order\":\"o-1\"}").await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let mut consumer = amqp::consumer(&channel, &queue, "c").await;
+    let delivery = consumer
+        .next()
+        .await
+        .expect("a delivery")
+        .expect("delivery");
+    let handled = rabbitmq::handle(&gate, &delivery, |_msg| async {
+        Err::<(), _>("the handler must not run for a message without a key")
+    })
+    .await
+    .expect("settle");
+    match &handled {
+        Handled::Rejected(why @ Rejection::NoMessageId { field }) => {
+            assert_eq!(*field, rabbitmq::MESSAGE_ID_FIELD);
+            assert_eq!(
+                why.to_string(),
+                "the message has no AMQP message_id property, and the key comes from it"
+            );
+        }
+        other => panic!("expected a rejection, got {other}"),
+    }
+    assert_eq!(handled.action(), Action::Reject);
+    channel
+        .basic_cancel("c", Default::default())
+        .await
+        .expect("cancel");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert_eq!(
+        drain(&channel, &dlq).await.len(),
+        1,
+        "the message is dead-lettered"
+    );
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_mode_never_retries_a_failed_handler() {
+    let (conn, channel, queue, dlq) = setup().await;
+    let keys = keys(6);
+    for _copy in 0..2 {
+        for k in &keys {
+            amqp::publish(&channel, &queue, Some(k), &payload(k)).await;
+        }
+    }
+    let published = keys.len() * 2;
+
+    let (gate, _dir) = common::gate(Mode::Idempotent);
+    let ledger = Ledger::new(&["key-02"]);
+    consume(&conn, &queue, &gate, &ledger, 2, published).await;
+
+    eprintln!("outcomes: {:?}", ledger.summary());
+    let succeeded = ledger.succeeded();
+    for k in &keys {
+        let want = if k == "key-02" { None } else { Some(&1) };
+        assert_eq!(succeeded.get(k), want, "{k}: {succeeded:?}");
+    }
+    assert_eq!(ledger.failed().get("key-02"), Some(&1));
+    // The failed first copy is dead-lettered; its duplicate is acked without running.
+    assert_eq!(ledger.count("failed"), 1);
+    assert_eq!(ledger.count("duplicate"), keys.len());
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    let dead = drain(&channel, &dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].0.as_deref(), Some("key-02"));
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
