@@ -279,8 +279,13 @@ impl EmbeddedStore {
                         dir: dir.to_owned(),
                     });
                 }
-                fs::create_dir(dir).map_err(|e| OpenError::io(dir, e))?;
-                undo.dir = Some(dir.to_owned());
+                match fs::create_dir(dir) {
+                    Ok(()) => undo.dir = Some(dir.to_owned()),
+                    // Another process opening the same new store made it first (concurrent
+                    // `dedupgate run`s of a cron job): the directory lock below sorts them out.
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+                    Err(e) => return Err(OpenError::io(dir, e)),
+                }
             }
             Err(e) => return Err(OpenError::io(dir, e)),
         }

@@ -196,6 +196,41 @@ async fn a_second_open_of_the_same_directory_is_refused() {
     open(tmp.path()).expect("the lock goes with the store");
 }
 
+/// Found by CI: four `dedupgate run`s of one cron job opening a store that did not exist yet
+/// raced on creating its directory, and the losers failed with "File exists" instead of
+/// finding the store locked (or, once free, opening it).
+#[test]
+fn concurrent_first_opens_of_a_new_directory_get_the_store_or_the_lock() {
+    for round in 0..8 {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("data");
+        let barrier = Arc::new(std::sync::Barrier::new(4));
+        let results: Vec<Result<EmbeddedStore, OpenError>> = (0..4)
+            .map(|_| {
+                let (dir, barrier) = (dir.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    open(&dir)
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let mut opened = 0;
+        for r in &results {
+            match r {
+                Ok(_) => opened += 1,
+                Err(OpenError::Locked { .. }) => {}
+                Err(e) => panic!("round {round}: a racing open failed with {e}"),
+            }
+        }
+        assert_eq!(opened, 1, "round {round}: exactly one open holds the store");
+        drop(results);
+        open(&dir).expect("the store the race made opens afterwards");
+    }
+}
+
 /// Run by `a_second_process_gets_a_clear_lock_error` in a child process; a no-op otherwise.
 #[test]
 fn lock_child_process_entry() {
