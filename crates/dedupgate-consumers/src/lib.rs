@@ -5,9 +5,10 @@
 //! [`dedupgate_core::Gate::run_with`] making every decision.
 //!
 //! - [`ConsumerGate`]: a [`Gate`] plus the namespace, the [`Mode`], where the key comes from
-//!   ([`KeySource`]: the broker's message id or a [`KeyTemplate`] over the JSON payload) and the
-//!   retry delays. [`ConsumerGate::process`] turns one delivery into a [`Handled`] outcome; it
-//!   knows no broker.
+//!   ([`KeySource`]: the broker's message id or a [`KeyTemplate`] over the JSON payload), the
+//!   retry delays and the [`FailureRetry`] policy for a failed handler.
+//!   [`ConsumerGate::process`] turns one delivery (its payload, id and [`Attempt`], the broker's
+//!   delivery count) into a [`Handled`] outcome; it knows no broker.
 //! - [`Handled`]: what happened (ran, duplicate, in progress elsewhere, failed, rejected, gate
 //!   unavailable) and [`Handled::action`], the one [`Action`] the broker must take: ack, retry
 //!   after a delay, or reject without requeue.
@@ -24,19 +25,38 @@
 //! | the handler ran (retriable: completed with its value; idempotent: marked first) | ack |
 //! | duplicate of a completed key | ack, the handler does not run |
 //! | duplicate of a key another consumer holds | retry after the in-progress delay (at most the holder's remaining lease) |
-//! | retriable handler failed | the claim is released; retry |
+//! | retriable handler failed | the claim is released; retry after the failure delay (below), as a failure (AMQP: reject with requeue, which a quorum queue counts; JetStream: nak with the delay) |
+//! | retriable handler failed on delivery `max_attempts` (when set, and the broker counts deliveries) | the claim is released; reject without requeue (dead-letter / term), logged with the error |
 //! | idempotent handler failed | reject without requeue (dead-letter / term): never retried |
 //! | no usable key, or the key was seen with another payload | reject without requeue, logged with the reason |
 //! | the gate could not decide, or could not record a completed run | retry after the unavailable delay; never ack |
 //!
+//! The failure delay grows with the broker's delivery count `n` (JetStream: the message's
+//! `delivered`; RabbitMQ: `x-delivery-count`, which quorum queues set, or the `rejected` counts of
+//! `x-death`, plus one): `initial × 2^(n−1)`, capped at `max` (by default 1 s, 2 s, 4 s, … up to
+//! 60 s; [`ConsumerGate::failure_retry`]). When the broker gives no count (a classic RabbitMQ
+//! queue's redelivery says only "redelivered") the delay is `initial`, and `max_attempts` cannot
+//! apply. `max_attempts` is unset by default: a rejected message is dropped by a queue without a
+//! dead-letter exchange, so giving up is the user's choice ([`ConsumerGate::max_attempts`]).
+//!
 //! The fingerprint of every delivery is the SHA-256 of its payload bytes, so a message id reused
 //! for another payload is rejected instead of being taken for a duplicate.
+//!
+//! Every claim names an owner unique to the delivery attempt (`host:pid/nonce-seq`, or
+//! [`ConsumerGate::worker`]`/nonce-seq`), so a duplicate finding the key in progress says who
+//! holds it. It is never shared by two deliveries: the gate gives a claim naming the holder's own
+//! owner back to it, which for a per-consumer owner would let two copies of one message run at
+//! once on one consumer.
 
 use std::fmt;
 use std::future::Future;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use dedupgate_core::keys::{KeyTemplate, RenderError};
+use dedupgate_core::model::TAG_BYTES_MAX;
 use dedupgate_core::op::DURATION_MS_MAX;
 use dedupgate_core::{
     ClaimOptions, Clock, Gate, GateError, InvalidInput, Mode, Namespace, Record, Run, RunError,
@@ -55,6 +75,97 @@ pub mod rabbitmq;
 pub const IN_PROGRESS_RETRY_DEFAULT: Duration = Duration::from_secs(1);
 /// Default wait before a delivery the gate could not decide is delivered again.
 pub const UNAVAILABLE_RETRY_DEFAULT: Duration = Duration::from_secs(1);
+/// Default wait after a retriable handler's first failure (see [`FailureRetry`]).
+pub const FAILURE_RETRY_INITIAL_DEFAULT: Duration = Duration::from_secs(1);
+/// Default cap of the growing wait after a retriable handler's failures.
+pub const FAILURE_RETRY_MAX_DEFAULT: Duration = Duration::from_secs(60);
+/// Longest failure delay [`ConsumerGate::failure_retry`] accepts. The RabbitMQ adapter waits the
+/// delay while holding the unacked delivery, and RabbitMQ closes the channel of a delivery left
+/// unacked past its `consumer_timeout` (30 minutes by default); 10 minutes leaves the handler
+/// the rest.
+pub const FAILURE_RETRY_LIMIT: Duration = Duration::from_secs(600);
+/// Longest [`ConsumerGate::worker`] name, in bytes: the owner adds `/`, a 16-digit nonce, `-`
+/// and a sequence of up to 20 digits, and must fit the gate's 256-byte owner.
+pub const WORKER_BYTES_MAX: usize = 200;
+const _: () = assert!(WORKER_BYTES_MAX + 1 + 16 + 1 + 20 <= TAG_BYTES_MAX);
+
+/// How a retriable handler's failures are retried: after `initial × 2^(n−1)` for the broker's
+/// `n`-th delivery, capped at `max`; with `max_attempts` set, a failure on delivery
+/// `max_attempts` or later is rejected without requeue instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FailureRetry {
+    /// The delay after a failed first delivery (and after any failure the broker does not count).
+    pub initial: Duration,
+    /// The cap of the delay.
+    pub max: Duration,
+    /// The delivery whose failure gives up (rejects); `None`: never give up.
+    pub max_attempts: Option<u32>,
+}
+
+impl Default for FailureRetry {
+    fn default() -> Self {
+        Self {
+            initial: FAILURE_RETRY_INITIAL_DEFAULT,
+            max: FAILURE_RETRY_MAX_DEFAULT,
+            max_attempts: None,
+        }
+    }
+}
+
+impl FailureRetry {
+    /// The delay after a failure of delivery `attempt` (1 = the first); `initial` when the
+    /// broker gave no count.
+    pub fn delay(&self, attempt: Option<u32>) -> Duration {
+        // 31 doublings fit a u32 shift and exceed any accepted cap (FAILURE_RETRY_LIMIT is
+        // under 2^20 ms); the multiplication saturates, so a huge count stays at the cap.
+        let doublings = attempt.unwrap_or(1).saturating_sub(1).min(31);
+        self.initial.saturating_mul(1u32 << doublings).min(self.max)
+    }
+
+    /// True when a failure of delivery `attempt` is the last one allowed.
+    pub fn gives_up(&self, attempt: Option<u32>) -> bool {
+        matches!((self.max_attempts, attempt), (Some(max), Some(n)) if n >= max)
+    }
+}
+
+/// Which delivery of a message this is, as far as the broker says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attempt {
+    /// 1 for the first delivery, `n` for the `n`-th; `None` when the broker says only that it
+    /// delivered the message before.
+    pub number: Option<u32>,
+    /// True when the broker delivered the message before.
+    pub redelivered: bool,
+}
+
+impl Attempt {
+    /// The first delivery.
+    pub const FIRST: Attempt = Attempt {
+        number: Some(1),
+        redelivered: false,
+    };
+
+    /// The `n`-th delivery (a count of 0 is taken for 1).
+    pub fn nth(n: u32) -> Self {
+        let n = n.max(1);
+        Self {
+            number: Some(n),
+            redelivered: n > 1,
+        }
+    }
+
+    /// From a redelivered flag alone: the first delivery when false, an uncounted one when true.
+    pub fn from_redelivered(redelivered: bool) -> Self {
+        if redelivered {
+            Self {
+                number: None,
+                redelivered: true,
+            }
+        } else {
+            Self::FIRST
+        }
+    }
+}
 
 /// Where a delivery's key comes from.
 #[derive(Clone, Debug)]
@@ -107,11 +218,16 @@ pub enum Rejection {
 pub enum Action {
     /// Acknowledge: the message is done with.
     Ack,
-    /// Deliver it again after `after` (AMQP: wait, then nack with requeue; JetStream: nak with
-    /// this delay).
+    /// Deliver it again after `after` (AMQP: wait, then nack with requeue, or reject with
+    /// requeue for a failure; JetStream: nak with this delay).
     Retry {
         /// How long to wait.
         after: Duration,
+        /// True when the handler failed on this delivery. AMQP then rejects with requeue, which
+        /// a quorum queue counts against its delivery limit and in `x-delivery-count`; a nack
+        /// (a delivery not processed, such as one whose key another consumer holds) is not
+        /// counted by RabbitMQ 4.
+        failure: bool,
     },
     /// Reject without requeue (AMQP: dead-lettered if the queue has a dead-letter exchange;
     /// JetStream: term).
@@ -145,16 +261,24 @@ pub enum Handled<T, E> {
         key: String,
         /// When to deliver it again.
         retry_after: Duration,
+        /// The holder's owner, when its claim named one.
+        holder: Option<String>,
     },
-    /// The handler failed. Retriable: the claim was released and the message is retried.
-    /// Idempotent: the key stays marked and the message is rejected, never retried.
+    /// The handler failed. Retriable: the claim was released and the message is retried after
+    /// `retry_after`, or, on delivery `max_attempts`, rejected without requeue. Idempotent: the
+    /// key stays marked and the message is rejected, never retried.
     Failed {
         /// The key.
         key: String,
         /// The handler's error.
         error: E,
-        /// The ordering, which decides the action.
+        /// The ordering.
         mode: Mode,
+        /// Which delivery failed (1 = the first), when the broker counts them.
+        attempt: Option<u32>,
+        /// When to deliver it again; `None`: rejected without requeue (idempotent mode, or the
+        /// last attempt allowed).
+        retry_after: Option<Duration>,
     },
     /// The handler ran but the gate could not record its completion (store down, lease lost):
     /// the message is retried, so the handler may run again once the lease runs out.
@@ -186,20 +310,22 @@ impl<T, E> Handled<T, E> {
             Handled::Ran { .. } | Handled::Duplicate { .. } => Action::Ack,
             Handled::InProgress { retry_after, .. } => Action::Retry {
                 after: *retry_after,
+                failure: false,
             },
             Handled::Failed {
-                mode: Mode::Retriable,
+                retry_after: Some(after),
                 ..
             } => Action::Retry {
-                after: Duration::ZERO,
+                after: *after,
+                failure: true,
             },
             Handled::Failed {
-                mode: Mode::Idempotent,
-                ..
+                retry_after: None, ..
             } => Action::Reject,
             Handled::Unrecorded { retry_after, .. } | Handled::Unavailable { retry_after, .. } => {
                 Action::Retry {
                     after: *retry_after,
+                    failure: false,
                 }
             }
             Handled::Rejected(_) => Action::Reject,
@@ -244,20 +370,43 @@ impl<T, E: fmt::Display> fmt::Display for Handled<T, E> {
         match self {
             Handled::Ran { key, .. } => write!(f, "{key}: ran"),
             Handled::Duplicate { key, .. } => write!(f, "{key}: duplicate, already completed"),
-            Handled::InProgress { key, retry_after } => write!(
+            Handled::InProgress {
+                key,
+                retry_after,
+                holder,
+            } => write!(
                 f,
-                "{key}: duplicate, in progress elsewhere; retry in {} ms",
+                "{key}: duplicate, in progress elsewhere (held by {}); retry in {} ms",
+                holder.as_deref().unwrap_or("an unnamed worker"),
                 retry_after.as_millis()
             ),
-            Handled::Failed { key, error, mode } => write!(
-                f,
-                "{key}: handler failed ({mode:?}, {}): {error}",
-                if *mode == Mode::Retriable {
-                    "released, retried"
-                } else {
-                    "rejected, not retried"
+            Handled::Failed {
+                key,
+                error,
+                mode,
+                attempt,
+                retry_after,
+            } => {
+                let delivery = match attempt {
+                    Some(n) => format!("delivery {n}"),
+                    None => "delivery count unknown".to_owned(),
+                };
+                match (mode, retry_after) {
+                    (Mode::Idempotent, _) => write!(
+                        f,
+                        "{key}: handler failed (idempotent, {delivery}): rejected, never retried: {error}"
+                    ),
+                    (Mode::Retriable, Some(after)) => write!(
+                        f,
+                        "{key}: handler failed (retriable, {delivery}): released, retried in {} ms: {error}",
+                        after.as_millis()
+                    ),
+                    (Mode::Retriable, None) => write!(
+                        f,
+                        "{key}: handler failed (retriable, {delivery}, max_attempts reached): released, rejected without requeue: {error}"
+                    ),
                 }
-            ),
+            }
             Handled::Unrecorded { key, error, .. } => {
                 write!(f, "{key}: ran, completion not recorded, retried: {error}")
             }
@@ -278,6 +427,8 @@ pub struct Message {
     pub payload: Vec<u8>,
     /// True when the broker says this is a redelivery.
     pub redelivered: bool,
+    /// Which delivery this is (1 = the first), when the broker counts them.
+    pub attempt: Option<u32>,
 }
 
 impl Message {
@@ -299,6 +450,8 @@ pub struct ConsumerGate {
     lease_ms: Option<u64>,
     in_progress_retry: Duration,
     unavailable_retry: Duration,
+    failure_retry: FailureRetry,
+    worker: String,
 }
 
 impl ConsumerGate {
@@ -315,6 +468,8 @@ impl ConsumerGate {
             lease_ms: None,
             in_progress_retry: IN_PROGRESS_RETRY_DEFAULT,
             unavailable_retry: UNAVAILABLE_RETRY_DEFAULT,
+            failure_retry: FailureRetry::default(),
+            worker: default_worker(),
         })
     }
 
@@ -356,6 +511,66 @@ impl ConsumerGate {
     pub fn unavailable_retry(mut self, delay: Duration) -> Self {
         self.unavailable_retry = delay;
         self
+    }
+
+    /// The delays after a retriable handler's failures: `initial` after a failed first
+    /// delivery, doubling with each further delivery the broker counts, capped at `max`
+    /// (defaults 1 s and 60 s). Refused unless 1 ms ≤ `initial` ≤ `max` ≤
+    /// [`FAILURE_RETRY_LIMIT`]: a zero delay is what makes a poison message spin.
+    pub fn failure_retry(mut self, initial: Duration, max: Duration) -> Result<Self, InvalidInput> {
+        if initial < Duration::from_millis(1) {
+            return Err(InvalidInput::new(
+                "failure_retry_initial",
+                format!("must be at least 1 ms, got {initial:?}"),
+            ));
+        }
+        if max < initial || max > FAILURE_RETRY_LIMIT {
+            return Err(InvalidInput::new(
+                "failure_retry_max",
+                format!(
+                    "must be from the initial delay ({initial:?}) to {FAILURE_RETRY_LIMIT:?}, got {max:?}"
+                ),
+            ));
+        }
+        self.failure_retry.initial = initial;
+        self.failure_retry.max = max;
+        Ok(self)
+    }
+
+    /// Gives up on a retriable message whose handler failed on its `n`-th delivery or later:
+    /// the claim is released and the message rejected without requeue (dead-lettered; dropped
+    /// by a queue without a dead-letter exchange; JetStream: term), logged with the error.
+    /// Counts are the broker's, which include deliveries requeued because another consumer
+    /// held the key (JetStream; RabbitMQ quorum queues before 4.0). A broker that gives no
+    /// count (a classic RabbitMQ queue) never reaches it. Unset by default. Refused when 0.
+    pub fn max_attempts(mut self, n: u32) -> Result<Self, InvalidInput> {
+        if n == 0 {
+            return Err(InvalidInput::new(
+                "max_attempts",
+                "must be at least 1, got 0",
+            ));
+        }
+        self.failure_retry.max_attempts = Some(n);
+        Ok(self)
+    }
+
+    /// Names this consumer in the owner of its claims (default `host:pid`), for the answers
+    /// and logs that say who holds a key: 1..=[`WORKER_BYTES_MAX`] bytes. Each claim adds a
+    /// suffix unique to the delivery, so consumers may share a name.
+    pub fn worker(mut self, name: &str) -> Result<Self, InvalidInput> {
+        if name.is_empty() || name.len() > WORKER_BYTES_MAX {
+            return Err(InvalidInput::new(
+                "worker",
+                format!("must be 1..={WORKER_BYTES_MAX} bytes, got {}", name.len()),
+            ));
+        }
+        self.worker = name.to_owned();
+        Ok(self)
+    }
+
+    /// The failure retry policy in force.
+    pub fn failure_policy(&self) -> FailureRetry {
+        self.failure_retry
     }
 
     /// The gate underneath.
@@ -406,7 +621,7 @@ impl ConsumerGate {
         message_id: Option<&str>,
         id_field: &'static str,
         payload: &[u8],
-        redelivered: bool,
+        attempt: Attempt,
         handler: H,
     ) -> Handled<T, E>
     where
@@ -423,7 +638,7 @@ impl ConsumerGate {
             ttl_ms: self.ttl_ms,
             lease_ms: self.lease_ms,
             fingerprint: Some(hex::encode(Sha256::digest(payload))),
-            owner: None,
+            owner: Some(self.attempt_owner()),
         };
         // The payload is copied for the handler only when it runs, not for duplicates.
         let run = self
@@ -432,24 +647,36 @@ impl ConsumerGate {
                 handler(Message {
                     key: key.clone(),
                     payload: payload.to_vec(),
-                    redelivered,
+                    redelivered: attempt.redelivered,
+                    attempt: attempt.number,
                 })
             })
             .await;
         let handled = match run {
             Ok(Run::Ran(value)) => Handled::Ran { key, value },
-            Ok(Run::Duplicate(record)) => match (record.state, record.lease_expires_at_ms) {
-                (State::InProgress, lease_end_ms) => {
-                    let retry_after = self.in_progress_delay(lease_end_ms);
-                    Handled::InProgress { key, retry_after }
+            Ok(Run::Duplicate(record)) => match record.state {
+                State::InProgress => Handled::InProgress {
+                    key,
+                    retry_after: self.in_progress_delay(record.lease_expires_at_ms),
+                    holder: record.owner,
+                },
+                State::Completed => Handled::Duplicate { key, record },
+            },
+            Err(RunError::Handler(error)) => {
+                let policy = &self.failure_retry;
+                let retry_after = match self.mode {
+                    Mode::Idempotent => None,
+                    Mode::Retriable if policy.gives_up(attempt.number) => None,
+                    Mode::Retriable => Some(policy.delay(attempt.number)),
+                };
+                Handled::Failed {
+                    key,
+                    error,
+                    mode: self.mode,
+                    attempt: attempt.number,
+                    retry_after,
                 }
-                (State::Completed, _) => Handled::Duplicate { key, record },
-            },
-            Err(RunError::Handler(error)) => Handled::Failed {
-                key,
-                error,
-                mode: self.mode,
-            },
+            }
             Err(RunError::Unrecorded { error }) => Handled::Unrecorded {
                 key,
                 error,
@@ -484,11 +711,36 @@ impl ConsumerGate {
         self.in_progress_retry.min(Duration::from_millis(left_ms))
     }
 
+    /// The owner of one claim: this consumer's name, a per-process nonce and a per-process
+    /// sequence. No two claims share it, so the gate's same-owner re-claim (which gives the
+    /// holder its claim back) never lets a second copy of a message run beside the first. The
+    /// nonce keeps two processes apart that share host and pid (containers on the host's
+    /// network).
+    fn attempt_owner(&self) -> String {
+        static NONCE: OnceLock<u64> = OnceLock::new();
+        static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+        // RandomState's keys come from the operating system's random source: no extra
+        // dependency for 64 bits that only need to differ between processes.
+        let nonce = *NONCE.get_or_init(|| {
+            std::collections::hash_map::RandomState::new().hash_one(std::process::id())
+        });
+        let seq = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+        format!("{}/{nonce:016x}-{seq}", self.worker)
+    }
+
     fn logged<T, E: fmt::Display>(&self, handled: Handled<T, E>) -> Handled<T, E> {
         let ns = self.namespace.as_str();
         match &handled {
             Handled::Ran { .. } | Handled::Duplicate { .. } | Handled::InProgress { .. } => {
                 tracing::debug!(namespace = ns, outcome = handled.label(), "{handled}");
+            }
+            // Giving up drops the message unless the queue dead-letters it: an error.
+            Handled::Failed {
+                mode: Mode::Retriable,
+                retry_after: None,
+                ..
+            } => {
+                tracing::error!(namespace = ns, outcome = handled.label(), "{handled}");
             }
             Handled::Failed { .. } | Handled::Unrecorded { .. } | Handled::Unavailable { .. } => {
                 tracing::warn!(namespace = ns, outcome = handled.label(), "{handled}");
@@ -499,6 +751,27 @@ impl ConsumerGate {
         }
         handled
     }
+}
+
+/// This host and process, `host:pid`, the default [`ConsumerGate::worker`] name (as
+/// `dedupgate run` names its owner).
+fn default_worker() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+        .unwrap_or_else(|| "localhost".to_owned());
+    let mut worker = format!("{host}:{}", std::process::id());
+    if worker.len() > WORKER_BYTES_MAX {
+        // Cut on a character boundary: a long non-ASCII hostname must not panic.
+        let mut cut = WORKER_BYTES_MAX;
+        while !worker.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        worker.truncate(cut);
+    }
+    worker
 }
 
 /// A duration in the gate's range (whole milliseconds, 1 ms to 10 years).
@@ -545,5 +818,162 @@ mod tests {
             .and_then(|c| c.lease(Duration::from_millis(1)))
             .expect("in range");
         assert_eq!((ok.ttl_ms, ok.lease_ms), (Some(86_400_000), Some(1)));
+    }
+
+    #[test]
+    fn failure_retry_ranges_are_refused_when_the_consumer_is_built() {
+        let ms = Duration::from_millis;
+        for (initial, max, field) in [
+            (Duration::ZERO, ms(10), "failure_retry_initial"),
+            (Duration::from_micros(999), ms(10), "failure_retry_initial"),
+            (ms(20), ms(10), "failure_retry_max"),
+            (ms(1), FAILURE_RETRY_LIMIT + ms(1), "failure_retry_max"),
+        ] {
+            let Err(e) = consumer().failure_retry(initial, max) else {
+                panic!("{initial:?}..{max:?} accepted")
+            };
+            assert_eq!(e.field, field, "{initial:?}..{max:?}");
+        }
+        let Err(e) = consumer().max_attempts(0) else {
+            panic!("max_attempts 0 accepted")
+        };
+        assert_eq!(e.field, "max_attempts");
+        for bad in [String::new(), "w".repeat(WORKER_BYTES_MAX + 1)] {
+            let Err(e) = consumer().worker(&bad) else {
+                panic!("worker of {} bytes accepted", bad.len())
+            };
+            assert_eq!(e.field, "worker");
+        }
+        let ok = consumer()
+            .failure_retry(ms(1), FAILURE_RETRY_LIMIT)
+            .and_then(|c| c.max_attempts(1))
+            .and_then(|c| c.worker(&"w".repeat(WORKER_BYTES_MAX)))
+            .expect("in range");
+        assert_eq!(
+            ok.failure_policy(),
+            FailureRetry {
+                initial: ms(1),
+                max: FAILURE_RETRY_LIMIT,
+                max_attempts: Some(1)
+            }
+        );
+        assert_eq!(consumer().failure_policy(), FailureRetry::default());
+        assert_eq!(FailureRetry::default().max_attempts, None);
+    }
+
+    #[test]
+    fn the_failure_delay_doubles_per_counted_delivery_up_to_the_cap() {
+        let ms = Duration::from_millis;
+        let policy = FailureRetry {
+            initial: ms(10),
+            max: ms(50),
+            max_attempts: Some(3),
+        };
+        let delays: Vec<_> = [
+            None,
+            Some(0),
+            Some(1),
+            Some(2),
+            Some(3),
+            Some(4),
+            Some(u32::MAX),
+        ]
+        .into_iter()
+        .map(|n| policy.delay(n))
+        .collect();
+        assert_eq!(
+            delays,
+            [ms(10), ms(10), ms(10), ms(20), ms(40), ms(50), ms(50)]
+        );
+        let big = FailureRetry {
+            initial: FAILURE_RETRY_LIMIT,
+            max: FAILURE_RETRY_LIMIT,
+            max_attempts: None,
+        };
+        assert_eq!(big.delay(Some(u32::MAX)), FAILURE_RETRY_LIMIT);
+        let gives_up: Vec<_> = [None, Some(1), Some(2), Some(3), Some(9)]
+            .into_iter()
+            .map(|n| policy.gives_up(n))
+            .collect();
+        assert_eq!(gives_up, [false, false, false, true, true]);
+        assert!(!FailureRetry::default().gives_up(Some(u32::MAX)));
+    }
+
+    /// The decision alone, over the reference store: a failing retriable handler is retried
+    /// with growing delays as a failure, given up (released, rejected) on `max_attempts`, and
+    /// never given up when the broker does not count deliveries.
+    #[tokio::test]
+    async fn a_failing_handler_backs_off_then_is_rejected_with_the_claim_released() {
+        let ms = Duration::from_millis;
+        let gate = consumer()
+            .failure_retry(ms(10), ms(25))
+            .and_then(|c| c.max_attempts(4))
+            .unwrap();
+        let fail = |_msg: Message| async { Err::<(), _>("poison") };
+        let mut actions = Vec::new();
+        for n in 1..=4 {
+            let handled = gate
+                .process(Some("o-1"), "id", b"{}", Attempt::nth(n), fail)
+                .await;
+            assert_eq!(handled.label(), "failed");
+            actions.push(handled.action());
+        }
+        let retry = |after| Action::Retry {
+            after,
+            failure: true,
+        };
+        assert_eq!(
+            actions,
+            [retry(ms(10)), retry(ms(20)), retry(ms(25)), Action::Reject]
+        );
+        assert_eq!(gate.gate().get("orders", "o-1").await.unwrap(), None);
+        let uncounted = gate
+            .process(
+                Some("o-1"),
+                "id",
+                b"{}",
+                Attempt::from_redelivered(true),
+                fail,
+            )
+            .await;
+        assert_eq!(uncounted.action(), retry(ms(10)), "{uncounted}");
+        assert!(uncounted.to_string().contains("delivery count unknown"));
+        let idempotent = consumer().mode(Mode::Idempotent);
+        let handled = idempotent
+            .process(Some("o-2"), "id", b"{}", Attempt::FIRST, fail)
+            .await;
+        assert_eq!(handled.action(), Action::Reject);
+    }
+
+    /// Two copies of one message on one consumer at once: the second finds the key held by
+    /// the first, named, and does not run. Each claim's owner is unique to its delivery, so
+    /// the gate's same-owner re-claim cannot hand the second copy the first one's claim.
+    #[tokio::test]
+    async fn a_second_copy_on_the_same_consumer_does_not_run_beside_the_first() {
+        let gate = consumer().worker("worker-7").unwrap();
+        let inner = gate.clone();
+        let handled = gate
+            .process(
+                Some("o-1"),
+                "id",
+                b"{}",
+                Attempt::FIRST,
+                |_msg| async move {
+                    let copy = inner
+                        .process(Some("o-1"), "id", b"{}", Attempt::FIRST, |_msg| async {
+                            Ok::<_, String>("the copy ran beside the first")
+                        })
+                        .await;
+                    Ok::<_, String>(copy.to_string())
+                },
+            )
+            .await;
+        let Handled::Ran { value, .. } = handled else {
+            panic!("the first copy: {handled}")
+        };
+        assert!(
+            value.starts_with("o-1: duplicate, in progress elsewhere (held by worker-7/"),
+            "{value}"
+        );
     }
 }

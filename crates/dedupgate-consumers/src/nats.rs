@@ -6,6 +6,11 @@
 //! a republished `Nats-Msg-Id` only within the stream's duplicate window (2 minutes by default);
 //! the gate covers its ttl, and redeliveries after a missed ack. The consumer needs
 //! `AckPolicy::Explicit`. Acks are double acks: [`handle`] returns once the server has the ack.
+//!
+//! A failed handler's message is naked with the failure delay for its `delivered` count, and
+//! termed on delivery `max_attempts` ([`ConsumerGate::max_attempts`]). The consumer's own
+//! `max_deliver` still applies: past it JetStream stops delivering the message without a term,
+//! so set `max_attempts` at or below it to have the last failure termed and logged.
 
 use std::fmt;
 use std::future::Future;
@@ -13,7 +18,7 @@ use std::future::Future;
 use async_nats::jetstream::{AckKind, Message as JsMessage};
 use serde::Serialize;
 
-use crate::{Action, ConsumerGate, Handled, Message};
+use crate::{Action, Attempt, ConsumerGate, Handled, Message};
 
 /// The header the key comes from.
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
@@ -72,16 +77,12 @@ where
                 .or_else(|| headers.get(MESSAGE_ID_HEADER))
         })
         .map(|value| value.as_str());
-    let redelivered = message
-        .info()
-        .map(|info| info.delivered > 1)
-        .unwrap_or(false);
     let handled = gate
         .process(
             message_id,
             MESSAGE_ID_HEADER,
             &message.payload,
-            redelivered,
+            attempt(message),
             handler,
         )
         .await;
@@ -89,11 +90,24 @@ where
     Ok(handled)
 }
 
+/// Which delivery `message` is: JetStream counts every delivery in the message's info
+/// (`delivered`, 1 for the first). A message without JetStream info (no ack reply subject)
+/// counts as uncounted.
+pub fn attempt(message: &JsMessage) -> Attempt {
+    match message.info() {
+        Ok(info) => Attempt::nth(u32::try_from(info.delivered).unwrap_or(u32::MAX)),
+        Err(_) => Attempt {
+            number: None,
+            redelivered: false,
+        },
+    }
+}
+
 /// Carries out `action` on `message`.
 pub async fn settle(message: &JsMessage, action: Action) -> Result<(), NatsError> {
     let (name, result) = match action {
         Action::Ack => ("ack", message.double_ack().await),
-        Action::Retry { after } => {
+        Action::Retry { after, .. } => {
             let delay = (!after.is_zero()).then_some(after);
             ("nak", message.ack_with(AckKind::Nak(delay)).await)
         }

@@ -2,19 +2,28 @@
 //! [`ConsumerGate`] and acks, nacks with requeue or rejects it as [`Handled::action`] says.
 //!
 //! The key is the AMQP `message_id` property (or a key template over the JSON payload). AMQP has
-//! no delayed requeue, so a retry waits its delay before the nack: a duplicate whose key another
-//! consumer holds keeps its prefetch slot meanwhile, which is what keeps it from spinning.
-//! Rejected deliveries go to the queue's dead-letter exchange, when it has one.
+//! no delayed requeue, so a retry waits its delay before it requeues: the delivery keeps its
+//! prefetch slot meanwhile, which is what keeps it from spinning (and why a consumer with
+//! prefetch 1 handles nothing else while a failed message waits). A failed handler's delivery is
+//! requeued with `basic.reject` (a failure, which a quorum queue counts in `x-delivery-count` and
+//! against its delivery limit), any other retry with `basic.nack` (not processed, which
+//! RabbitMQ 4 does not count). Rejected deliveries go to the queue's dead-letter exchange, when
+//! it has one.
+//!
+//! The delivery count comes from `x-delivery-count` (quorum queues) or the `rejected` entries of
+//! `x-death` (a dead-letter loop that brings rejected messages back); a classic queue says only
+//! `redelivered`, so its redeliveries are uncounted.
 
 use std::fmt;
 use std::future::Future;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
 use serde::Serialize;
 
-use crate::{Action, ConsumerGate, Handled, Message};
+use crate::{Action, Attempt, ConsumerGate, Handled, Message};
 
 /// Where the key comes from, for rejection messages.
 pub const MESSAGE_ID_FIELD: &str = "AMQP message_id property";
@@ -89,12 +98,71 @@ where
             message_id,
             MESSAGE_ID_FIELD,
             &delivery.data,
-            delivery.redelivered,
+            attempt(delivery),
             handler,
         )
         .await;
     settle(delivery, handled.action()).await?;
     Ok(handled)
+}
+
+/// Which delivery this is: one more than the deliveries the broker counted before it
+/// (`x-delivery-count`, or the largest `count` of an `x-death` entry whose `reason` is
+/// `rejected`, whichever is larger); the first when the broker says it is no redelivery;
+/// uncounted otherwise.
+pub fn attempt(delivery: &Delivery) -> Attempt {
+    let headers = delivery.properties.headers().as_ref();
+    let previous = headers
+        .and_then(|h| h.inner().get("x-delivery-count"))
+        .and_then(count)
+        .into_iter()
+        .chain(headers.and_then(rejected_deaths))
+        .max();
+    match previous {
+        Some(n) => Attempt {
+            number: Some(u32::try_from(n).unwrap_or(u32::MAX).saturating_add(1)),
+            redelivered: delivery.redelivered || n > 0,
+        },
+        None => Attempt::from_redelivered(delivery.redelivered),
+    }
+}
+
+/// The largest `count` of the `x-death` entries for `rejected` (each entry counts one queue
+/// and reason).
+fn rejected_deaths(headers: &FieldTable) -> Option<u64> {
+    headers
+        .inner()
+        .get("x-death")?
+        .as_array()?
+        .as_slice()
+        .iter()
+        .filter_map(AMQPValue::as_field_table)
+        .filter(|death| {
+            let reason = death.inner().get("reason");
+            let bytes = match reason {
+                Some(AMQPValue::LongString(s)) => Some(s.as_bytes()),
+                Some(AMQPValue::ShortString(s)) => Some(s.as_str().as_bytes()),
+                _ => None,
+            };
+            bytes == Some(b"rejected".as_slice())
+        })
+        .filter_map(|death| death.inner().get("count").and_then(count))
+        .max()
+}
+
+/// A non-negative integer header value of any AMQP integer type.
+fn count(value: &AMQPValue) -> Option<u64> {
+    let n: i128 = match *value {
+        AMQPValue::ShortShortInt(n) => n.into(),
+        AMQPValue::ShortShortUInt(n) => n.into(),
+        AMQPValue::ShortInt(n) => n.into(),
+        AMQPValue::ShortUInt(n) => n.into(),
+        AMQPValue::LongInt(n) => n.into(),
+        AMQPValue::LongUInt(n) => n.into(),
+        AMQPValue::LongLongInt(n) => n.into(),
+        _ => return None,
+    };
+    u64::try_from(n).ok()
 }
 
 /// Carries out `action` on `delivery`.
@@ -104,17 +172,24 @@ pub async fn settle(delivery: &Delivery, action: Action) -> Result<(), RabbitErr
             .ack(BasicAckOptions::default())
             .await
             .map_err(|source| ("ack", source)),
-        Action::Retry { after } => {
+        Action::Retry { after, failure } => {
             if !after.is_zero() {
                 tokio::time::sleep(after).await;
             }
-            delivery
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await
-                .map_err(|source| ("nack", source))
+            if failure {
+                delivery
+                    .reject(BasicRejectOptions { requeue: true })
+                    .await
+                    .map_err(|source| ("reject", source))
+            } else {
+                delivery
+                    .nack(BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    })
+                    .await
+                    .map_err(|source| ("nack", source))
+            }
         }
         Action::Reject => delivery
             .reject(BasicRejectOptions { requeue: false })

@@ -2,19 +2,22 @@
 //! `nats://127.0.0.1:4222`): a durable pull consumer read by two concurrent tasks sharing one
 //! embedded store runs the handler once per key, whether duplicates come as republished
 //! `Nats-Msg-Id`s, as copies keyed by a template over the payload, or as redeliveries after a
-//! failed handler; a message without a usable key is termed with the reason. Each test uses its
-//! own stream and deletes it.
+//! failed handler; a failing handler is naked with growing delays counted from JetStream's
+//! `delivered` and termed after `max_attempts` with its claim released; a message without a
+//! usable key is termed with the reason. Each test uses its own stream and deletes it.
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, stream};
-use common::{keys, unique, Ledger};
-use dedupgate_consumers::{nats, ConsumerGate};
+use common::{keys, unique, Ledger, Seen};
+use dedupgate_consumers::{nats, Action, ConsumerGate};
 use dedupgate_core::keys::KeyTemplate;
-use dedupgate_core::Mode;
+use dedupgate_core::{Mode, State};
+use futures::StreamExt;
 
 /// JetStream drops a republished `Nats-Msg-Id` within the stream's duplicate window; the tests
 /// keep it short and publish each round of copies after it, as copies arrive in production
@@ -108,6 +111,33 @@ impl Fixture {
             },
         )
         .await;
+    }
+
+    /// Follows the one message of the stream through every delivery until it is settled for
+    /// good (acked or termed), running the `fail_first(calls, failures)` handler.
+    async fn follow(&self, gate: &ConsumerGate, calls: &AtomicUsize, failures: usize) -> Vec<Seen> {
+        let mut messages = self.consumer.messages().await.expect("messages");
+        let mut seen = Vec::new();
+        loop {
+            assert!(seen.len() < 10, "the message never settled: {seen:#?}");
+            let next = tokio::time::timeout(common::SETTLE_TIMEOUT, messages.next()).await;
+            let message = next
+                .unwrap_or_else(|_| panic!("no delivery within the timeout after {seen:#?}"))
+                .expect("the consumer ended")
+                .expect("message");
+            let at = Instant::now();
+            let attempt = nats::attempt(&message).number;
+            let handled = nats::handle(gate, &message, |msg| {
+                common::fail_first(calls, failures, msg)
+            })
+            .await
+            .expect("settle");
+            let done = !matches!(handled.action(), Action::Retry { .. });
+            seen.push(Seen::new(attempt, at, &handled));
+            if done {
+                return seen;
+            }
+        }
     }
 
     /// Nothing left to deliver and nothing delivered but unsettled.
@@ -224,5 +254,100 @@ async fn template_keys_dedup_copies_and_unkeyable_payloads_are_termed() {
         "{rejections:?}"
     );
     fx.assert_all_settled(published).await;
+    fx.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_backs_off_and_is_termed_after_max_attempts() {
+    let fx = fixture().await;
+    // JetStream announces every term on this subject, with the deliveries it counted.
+    let mut terminated = fx
+        .js
+        .client()
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{}.workers",
+            fx.stream
+        ))
+        .await
+        .expect("subscribe to term advisories");
+    assert!(
+        fx.publish(Some("poison-1"), b"{\"order\":\"poison-1\"}")
+            .await
+    );
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(4).expect("max_attempts");
+    let calls = AtomicUsize::new(0);
+    let seen = fx.follow(&gate, &calls, usize::MAX).await;
+    eprintln!("deliveries: {seen:#?}");
+
+    // JetStream delivered it four times (`delivered` 1..=4), naked after 20, 40 and 60 (the
+    // cap) ms, then termed.
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    let attempts: Vec<_> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [Some(1), Some(2), Some(3), Some(4)]);
+    assert!(seen.iter().all(|s| s.label == "failed"), "{seen:#?}");
+    common::assert_backed_off(&seen, gate.failure_policy());
+    let delays: Vec<_> = seen[..3]
+        .iter()
+        .map(|s| match s.action {
+            Action::Retry { after, .. } => after.as_millis(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(delays, [20, 40, 60]);
+    assert_eq!(seen[3].action, Action::Reject);
+    assert!(
+        seen[3].text.contains("delivery 4, max_attempts reached"),
+        "{}",
+        seen[3].text
+    );
+
+    let advisory = tokio::time::timeout(common::SETTLE_TIMEOUT, terminated.next())
+        .await
+        .expect("a term advisory within the timeout")
+        .expect("subscription open");
+    let advisory: serde_json::Value =
+        serde_json::from_slice(&advisory.payload).expect("advisory JSON");
+    assert_eq!(advisory["stream_seq"], 1, "{advisory}");
+    assert_eq!(advisory["deliveries"], 4, "{advisory}");
+    fx.assert_all_settled(1).await;
+    assert_eq!(
+        gate.gate().get("consumers-test", "poison-1").await.unwrap(),
+        None
+    );
+    fx.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_twice_then_succeeding_runs_to_completion_once() {
+    let fx = fixture().await;
+    assert!(
+        fx.publish(Some("flaky-1"), b"{\"order\":\"flaky-1\"}")
+            .await
+    );
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(4).expect("max_attempts");
+    let calls = AtomicUsize::new(0);
+    let seen = fx.follow(&gate, &calls, 2).await;
+    eprintln!("deliveries: {seen:#?}");
+
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    let attempts: Vec<_> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [Some(1), Some(2), Some(3)]);
+    let labels: Vec<_> = seen.iter().map(|s| s.label).collect();
+    assert_eq!(labels, ["failed", "failed", "ran"]);
+    common::assert_backed_off(&seen, gate.failure_policy());
+    assert_eq!(seen[2].action, Action::Ack);
+    fx.assert_all_settled(1).await;
+    let record = gate
+        .gate()
+        .get("consumers-test", "flaky-1")
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(record.state, State::Completed);
+    assert_eq!(record.result, Some(serde_json::json!("done:flaky-1")));
     fx.delete().await;
 }

@@ -1,24 +1,31 @@
 //! Against the machine's RabbitMQ (`DEDUPGATE_TEST_AMQP_URL`, default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`): duplicates and redeliveries across two concurrent
 //! consumers sharing one embedded store run the handler once per key; a failed handler is
-//! retried on redelivery; a message without a key, or a key reused with another payload, is
-//! rejected to the dead-letter queue. Each test uses its own queues and deletes them.
+//! retried on redelivery, after growing delays counted from the quorum queue's
+//! `x-delivery-count`, and dead-lettered after `max_attempts` with its claim released; a message
+//! without a key, or a key reused with another payload, is rejected to the dead-letter queue.
+//! Each test uses its own queues and deletes them.
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
-use common::{amqp, keys, unique, Ledger};
+use common::{amqp, keys, unique, Ledger, Seen};
 use dedupgate_consumers::{rabbitmq, Action, ConsumerGate, Handled, Rejection};
-use dedupgate_core::Mode;
+use dedupgate_core::{Mode, State};
 use futures::StreamExt;
+use lapin::message::BasicGetMessage;
 use lapin::options::{BasicGetOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
+use lapin::{Channel, Connection, Consumer};
 
 /// The work queue (dead-lettering to `dlq` through the default exchange) and the dead-letter
 /// queue. Both expire after 10 unused minutes should a failed test leave them behind.
-async fn declare(channel: &Channel, queue: &str, dlq: &str) {
+/// With `quorum`, the work queue is a quorum queue (durable, counting deliveries in
+/// `x-delivery-count`).
+async fn declare(channel: &Channel, queue: &str, dlq: &str, quorum: bool) {
     let mut expiring = FieldTable::default();
     expiring.insert("x-expires".into(), AMQPValue::LongInt(600_000));
     channel
@@ -34,8 +41,16 @@ async fn declare(channel: &Channel, queue: &str, dlq: &str) {
         "x-dead-letter-routing-key".into(),
         AMQPValue::LongString(dlq.into()),
     );
+    let mut options = QueueDeclareOptions::default();
+    if quorum {
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        options.durable = true;
+    }
     channel
-        .queue_declare(queue, QueueDeclareOptions::default(), args)
+        .queue_declare(queue, options, args)
         .await
         .expect("declare queue");
 }
@@ -91,14 +106,64 @@ async fn consume(
 /// A connection, a channel with publisher confirms, and a fresh work queue with its dead-letter
 /// queue, declared.
 async fn setup() -> (Connection, Channel, String, String) {
+    setup_typed(false).await
+}
+
+/// [`setup`], with the work queue a quorum queue when `quorum`.
+async fn setup_typed(quorum: bool) -> (Connection, Channel, String, String) {
     let conn = amqp::connect().await;
     let channel = amqp::confirming_channel(&conn).await;
     let (queue, dlq) = (
         unique("dedupgate-consumers"),
         unique("dedupgate-consumers-dlq"),
     );
-    declare(&channel, &queue, &dlq).await;
+    declare(&channel, &queue, &dlq, quorum).await;
     (conn, channel, queue, dlq)
+}
+
+/// Follows the one message in `consumer`'s queue through every delivery until it is acked, or
+/// rejected unless `rejects_come_back` (a dead-letter loop returns them), running the
+/// `fail_first(calls, failures)` handler.
+async fn follow(
+    consumer: &mut Consumer,
+    gate: &ConsumerGate,
+    calls: &AtomicUsize,
+    failures: usize,
+    rejects_come_back: bool,
+) -> Vec<Seen> {
+    let mut seen = Vec::new();
+    loop {
+        assert!(seen.len() < 10, "the message never settled: {seen:#?}");
+        let next = tokio::time::timeout(common::SETTLE_TIMEOUT, consumer.next()).await;
+        let delivery = next
+            .unwrap_or_else(|_| panic!("no delivery within the timeout after {seen:#?}"))
+            .expect("the consumer ended")
+            .expect("delivery");
+        let at = Instant::now();
+        let attempt = rabbitmq::attempt(&delivery).number;
+        let handled = rabbitmq::handle(gate, &delivery, |msg| {
+            common::fail_first(calls, failures, msg)
+        })
+        .await
+        .expect("settle");
+        let done = match handled.action() {
+            Action::Ack => true,
+            Action::Reject => !rejects_come_back,
+            Action::Retry { .. } => false,
+        };
+        seen.push(Seen::new(attempt, at, &handled));
+        if done {
+            return seen;
+        }
+    }
+}
+
+/// The one message in `queue`, taken off it.
+async fn take(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
+    channel
+        .basic_get(queue, BasicGetOptions { no_ack: true })
+        .await
+        .expect("basic.get")
 }
 
 async fn message_count(channel: &Channel, queue: &str) -> u32 {
@@ -301,5 +366,239 @@ async fn idempotent_mode_never_retries_a_failed_handler() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0.as_deref(), Some("key-02"));
     delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_backs_off_and_is_dead_lettered_after_max_attempts() {
+    let (conn, channel, queue, dlq) = setup_typed(true).await;
+    amqp::publish(&channel, &queue, Some("poison-1"), &payload("poison-1")).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(4).expect("max_attempts");
+    let mut consumer = amqp::consumer(&channel, &queue, "c").await;
+    let calls = AtomicUsize::new(0);
+    let seen = follow(&mut consumer, &gate, &calls, usize::MAX, false).await;
+    eprintln!("deliveries: {seen:#?}");
+
+    // The broker counted four deliveries (x-delivery-count 0..=3), the handler failed on each;
+    // the first three were retried after 20, 40 and 60 (the cap) ms, the fourth rejected.
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    let attempts: Vec<_> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [Some(1), Some(2), Some(3), Some(4)]);
+    assert!(seen.iter().all(|s| s.label == "failed"), "{seen:#?}");
+    common::assert_backed_off(&seen, gate.failure_policy());
+    let delays: Vec<_> = seen[..3]
+        .iter()
+        .map(|s| match s.action {
+            Action::Retry { after, .. } => after.as_millis(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(delays, [20, 40, 60]);
+    assert_eq!(seen[3].action, Action::Reject);
+    assert!(
+        seen[3].text.contains("delivery 4, max_attempts reached")
+            && seen[3].text.contains("injected failure 4 of poison-1"),
+        "{}",
+        seen[3].text
+    );
+
+    // Nothing is left in the work queue; the message is in the dead-letter queue, rejected
+    // once from the work queue; and its key is free again (released, not completed).
+    channel
+        .basic_cancel("c", Default::default())
+        .await
+        .expect("cancel");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    let dead = take(&channel, &dlq)
+        .await
+        .expect("the message is dead-lettered");
+    assert_eq!(
+        dead.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str()),
+        Some("poison-1")
+    );
+    let headers = dead
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    let death = headers
+        .inner()
+        .get("x-death")
+        .and_then(AMQPValue::as_array)
+        .and_then(|deaths| deaths.as_slice().first().cloned())
+        .unwrap_or_else(|| panic!("no x-death header: {headers:?}"));
+    let death = death.as_field_table().expect("an x-death entry");
+    assert_eq!(
+        death.inner().get("reason"),
+        Some(&AMQPValue::LongString("rejected".into())),
+        "{death:?}"
+    );
+    assert_eq!(
+        death.inner().get("queue"),
+        Some(&AMQPValue::LongString(queue.as_str().into())),
+        "{death:?}"
+    );
+    assert!(take(&channel, &dlq).await.is_none());
+    assert_eq!(
+        gate.gate().get("consumers-test", "poison-1").await.unwrap(),
+        None
+    );
+
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_twice_then_succeeding_runs_to_completion_once() {
+    let (conn, channel, queue, dlq) = setup_typed(true).await;
+    amqp::publish(&channel, &queue, Some("flaky-1"), &payload("flaky-1")).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(4).expect("max_attempts");
+    let mut consumer = amqp::consumer(&channel, &queue, "c").await;
+    let calls = AtomicUsize::new(0);
+    let seen = follow(&mut consumer, &gate, &calls, 2, false).await;
+    eprintln!("deliveries: {seen:#?}");
+
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    let attempts: Vec<_> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [Some(1), Some(2), Some(3)]);
+    let labels: Vec<_> = seen.iter().map(|s| s.label).collect();
+    assert_eq!(labels, ["failed", "failed", "ran"]);
+    common::assert_backed_off(&seen, gate.failure_policy());
+    assert_eq!(seen[2].action, Action::Ack);
+
+    channel
+        .basic_cancel("c", Default::default())
+        .await
+        .expect("cancel");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert!(
+        take(&channel, &dlq).await.is_none(),
+        "nothing dead-lettered"
+    );
+    let record = gate
+        .gate()
+        .get("consumers-test", "flaky-1")
+        .await
+        .unwrap()
+        .expect("the record");
+    assert_eq!(record.state, State::Completed);
+    assert_eq!(record.result, Some(serde_json::json!("done:flaky-1")));
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
+/// A classic queue says only "redelivered": a redelivery's failure waits the initial delay, and
+/// `max_attempts` cannot count it, so it never drops the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncounted_redelivery_waits_the_initial_delay_and_is_not_given_up() {
+    let (conn, channel, queue, dlq) = setup_typed(false).await;
+    amqp::publish(&channel, &queue, Some("classic-1"), &payload("classic-1")).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(2).expect("max_attempts");
+    let mut consumer = amqp::consumer(&channel, &queue, "c").await;
+    let calls = AtomicUsize::new(0);
+    let seen = follow(&mut consumer, &gate, &calls, 3, false).await;
+    eprintln!("deliveries: {seen:#?}");
+
+    let attempts: Vec<_> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [Some(1), None, None, None]);
+    let labels: Vec<_> = seen.iter().map(|s| s.label).collect();
+    assert_eq!(labels, ["failed", "failed", "failed", "ran"]);
+    common::assert_backed_off(&seen, gate.failure_policy());
+    assert!(seen[..3].iter().all(|s| s.action
+        == Action::Retry {
+            after: common::FAILURE_RETRY_INITIAL,
+            failure: true
+        }));
+
+    channel
+        .basic_cancel("c", Default::default())
+        .await
+        .expect("cancel");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert!(
+        take(&channel, &dlq).await.is_none(),
+        "nothing dead-lettered"
+    );
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
+/// A dead-letter retry loop (the work queue dead-letters into a wait queue whose expired
+/// messages go back): each return carries `x-death` with the work queue's `rejected` count,
+/// from which the delivery is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_are_counted_from_x_death_in_a_dead_letter_retry_loop() {
+    let conn = amqp::connect().await;
+    let channel = amqp::confirming_channel(&conn).await;
+    let (queue, wait) = (
+        unique("dedupgate-consumers"),
+        unique("dedupgate-consumers-wait"),
+    );
+    let route_to = |target: &str, extra: Option<(&str, AMQPValue)>| {
+        let mut args = FieldTable::default();
+        args.insert("x-expires".into(), AMQPValue::LongInt(600_000));
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(target.into()),
+        );
+        if let Some((k, v)) = extra {
+            args.insert(k.into(), v);
+        }
+        args
+    };
+    channel
+        .queue_declare(
+            &queue,
+            QueueDeclareOptions::default(),
+            route_to(&wait, None),
+        )
+        .await
+        .expect("declare work queue");
+    channel
+        .queue_declare(
+            &wait,
+            QueueDeclareOptions::default(),
+            route_to(&queue, Some(("x-message-ttl", AMQPValue::LongInt(10)))),
+        )
+        .await
+        .expect("declare wait queue");
+    amqp::publish(&channel, &queue, Some("looped-1"), &payload("looped-1")).await;
+
+    // max_attempts 1: every failure rejects, and the loop brings the message back.
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(1).expect("max_attempts");
+    let mut consumer = amqp::consumer(&channel, &queue, "c").await;
+    let calls = AtomicUsize::new(0);
+    let seen = follow(&mut consumer, &gate, &calls, 2, true).await;
+    eprintln!("deliveries: {seen:#?}");
+
+    let attempts: Vec<_> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [Some(1), Some(2), Some(3)]);
+    let actions: Vec<_> = seen.iter().map(|s| s.action).collect();
+    assert_eq!(actions, [Action::Reject, Action::Reject, Action::Ack]);
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+
+    channel
+        .basic_cancel("c", Default::default())
+        .await
+        .expect("cancel");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert_eq!(message_count(&channel, &wait).await, 0);
+    delete(&channel, &[&queue, &wait]).await;
     conn.close(200, "done").await.expect("close");
 }

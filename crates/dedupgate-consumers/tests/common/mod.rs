@@ -10,9 +10,9 @@ use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use dedupgate_consumers::{Action, ConsumerGate, Handled, Message};
+use dedupgate_consumers::{Action, ConsumerGate, FailureRetry, Handled, Message};
 use dedupgate_core::{Gate, Mode};
 use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
 use futures::{Stream, StreamExt};
@@ -27,8 +27,13 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// The failure delays of the tests' gates: 20 ms, doubling, capped at 60 ms.
+pub const FAILURE_RETRY_INITIAL: Duration = Duration::from_millis(20);
+pub const FAILURE_RETRY_MAX: Duration = Duration::from_millis(60);
+
 /// An embedded store in a fresh temp dir (kept alive by the returned guard) and a consumer gate
-/// over it with short retry delays, so duplicates in progress come back quickly.
+/// over it with short retry delays, so duplicates in progress and failed messages come back
+/// quickly.
 pub fn gate(mode: Mode) -> (ConsumerGate, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let store = EmbeddedStore::open(dir.path(), EmbeddedOptions::default()).expect("open store");
@@ -36,8 +41,75 @@ pub fn gate(mode: Mode) -> (ConsumerGate, tempfile::TempDir) {
         .expect("namespace")
         .mode(mode)
         .in_progress_retry(Duration::from_millis(50))
-        .unavailable_retry(Duration::from_millis(200));
+        .unavailable_retry(Duration::from_millis(200))
+        .failure_retry(FAILURE_RETRY_INITIAL, FAILURE_RETRY_MAX)
+        .expect("failure retry delays");
     (gate, dir)
+}
+
+/// One delivery of a message a retry test follows: which delivery the broker said it was,
+/// when it arrived, and what the consumer made of it.
+#[derive(Debug)]
+pub struct Seen {
+    pub attempt: Option<u32>,
+    pub at: Instant,
+    pub label: &'static str,
+    pub text: String,
+    pub action: Action,
+}
+
+impl Seen {
+    pub fn new<T, E: std::fmt::Display>(
+        attempt: Option<u32>,
+        at: Instant,
+        handled: &Handled<T, E>,
+    ) -> Self {
+        Self {
+            attempt,
+            at,
+            label: handled.label(),
+            text: handled.to_string(),
+            action: handled.action(),
+        }
+    }
+}
+
+/// A handler that fails its first `failures` calls (counted in `calls`), then succeeds.
+pub async fn fail_first(
+    calls: &AtomicUsize,
+    failures: usize,
+    msg: Message,
+) -> Result<String, String> {
+    let call = calls.fetch_add(1, Ordering::SeqCst) + 1;
+    if call <= failures {
+        Err(format!("injected failure {call} of {}", msg.key))
+    } else {
+        Ok(format!("done:{}", msg.key))
+    }
+}
+
+/// Checks the deliveries of one followed message against `policy`: every delivery but the last
+/// was retried as a failure after the policy's delay for the broker's count, and each
+/// redelivery arrived no sooner than that delay after the delivery before it (a lower bound:
+/// load can only make it later).
+pub fn assert_backed_off(seen: &[Seen], policy: FailureRetry) {
+    for (i, pair) in seen.windows(2).enumerate() {
+        let want = policy.delay(pair[0].attempt);
+        assert_eq!(
+            pair[0].action,
+            Action::Retry {
+                after: want,
+                failure: true
+            },
+            "delivery {i}: {seen:#?}"
+        );
+        let gap = pair[1].at.duration_since(pair[0].at);
+        assert!(
+            gap >= want,
+            "delivery {} came {gap:?} after the one before, sooner than its delay {want:?}: {seen:#?}",
+            i + 1
+        );
+    }
 }
 
 /// Every handler call, by key; `fail_first` keys fail on their first call.
