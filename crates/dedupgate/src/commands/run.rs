@@ -267,9 +267,18 @@ fn owner() -> String {
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "localhost".to_owned());
-    let mut owner = format!("{host}:{}", std::process::id());
-    owner.truncate(200);
-    owner
+    owner_of(&host, std::process::id())
+}
+
+fn owner_of(host: &str, pid: u32) -> String {
+    let owner = format!("{host}:{pid}");
+    // At most 200 bytes, cut on a character boundary: `String::truncate` panics inside a
+    // character, and $HOSTNAME is whatever the environment says.
+    let mut end = owner.len().min(200);
+    while !owner.is_char_boundary(end) {
+        end -= 1;
+    }
+    owner[..end].to_owned()
 }
 
 fn rfc3339(ms: i64) -> String {
@@ -518,5 +527,19 @@ async fn tee(
                 t.drain(..cut);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owner_of;
+
+    #[test]
+    fn a_long_non_ascii_host_is_cut_on_a_character_boundary() {
+        let host = "ü".repeat(150); // 300 bytes; byte 200 falls inside no character, 199 does
+        let owner = owner_of(&format!("x{host}"), 7);
+        assert!(owner.len() <= 200 && owner.len() >= 199, "{}", owner.len());
+        assert!(owner.starts_with("xü"));
+        assert_eq!(owner_of("web-1", 42), "web-1:42");
     }
 }
