@@ -7,7 +7,10 @@
 //!   Every operation is one run of the Lua script [`DECIDE_LUA`], which re-expresses
 //!   [`dedupgate_core::decide`] on Redis's own clock (`TIME`, `PXAT`); a batch is one pipeline
 //!   of script calls (one per slot on a cluster), and on a single server concurrent single
-//!   operations are coalesced into shared script calls.
+//!   operations are coalesced into shared script calls. An `apply_batch` with 16 or more
+//!   claims and marks first writes the new keys among them with native `SET … NX GET` (the
+//!   script's own record bytes, one `TIME` per batch) and sends the keys that exist to the
+//!   script.
 //! - [`RedisOptions`]: durability (`WAIT` replicas), key prefix and timeouts, read from the URL's
 //!   query string.
 //! - [`keys`]: the key layout — one key per record, under a hash tag derived from its id.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use dedupgate_core::{
     Claim, GateError, Mark, MemoryStore, Op, Outcome, Record, RecordId, Store, Token,
 };
-use dedupgate_redis::testkit::shared_redis_url;
+use dedupgate_redis::testkit::{shared_redis_url, RedisServer};
 use dedupgate_redis::RedisStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -148,30 +148,26 @@ fn meaning(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_answers_like_the_reference_model() {
-    let seed: u64 = std::env::var("DG_MODEL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::thread_rng().gen());
-    eprintln!("model test: seed {seed} (replay with DG_MODEL_SEED={seed})");
+/// Runs `rounds` rounds of random ops on `redis` and on the model, comparing every answer.
+/// Each round is one op through `apply` when `batch_len` gives 1, else a batch of that many.
+async fn compare(
+    redis: &RedisStore,
+    seed: u64,
+    rounds: usize,
+    keys: usize,
+    batch_len: impl Fn(&mut StdRng) -> usize,
+    gen: impl Fn(&mut StdRng) -> Gen,
+) -> usize {
     let mut rng = StdRng::seed_from_u64(seed);
-    let redis = RedisStore::open(&shared_redis_url())
-        .await
-        .expect("local Redis");
     let model = MemoryStore::new();
-    let ns = format!("model.{seed:x}");
+    let ns = format!("model.{seed:x}.{keys}");
     let (mut tok_r, mut tok_m) = (Tokens::default(), Tokens::default());
     let (mut fen_r, mut fen_m) = (HashMap::new(), HashMap::new());
     let mut step = 0;
-    for round in 0..1_500 {
-        let n = if rng.gen_bool(0.3) {
-            rng.gen_range(2..8)
-        } else {
-            1
-        };
+    for round in 0..rounds {
+        let n = batch_len(&mut rng);
         let gens: Vec<(String, Gen)> = (0..n)
-            .map(|_| (format!("k{}", rng.gen_range(0..KEYS)), gen(&mut rng)))
+            .map(|_| (format!("k{}", rng.gen_range(0..keys)), gen(&mut rng)))
             .collect();
         let batch = |tokens: &Tokens| -> Vec<(RecordId, Op)> {
             gens.iter()
@@ -207,5 +203,72 @@ async fn redis_answers_like_the_reference_model() {
             );
         }
     }
+    step
+}
+
+fn seed() -> u64 {
+    std::env::var("DG_MODEL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::thread_rng().gen())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_answers_like_the_reference_model() {
+    let seed = seed();
+    eprintln!("model test: seed {seed} (replay with DG_MODEL_SEED={seed})");
+    let redis = RedisStore::open(&shared_redis_url())
+        .await
+        .expect("local Redis");
+    let batch_len = |rng: &mut StdRng| {
+        if rng.gen_bool(0.3) {
+            rng.gen_range(2..8)
+        } else {
+            1
+        }
+    };
+    let step = compare(&redis, seed, 1_500, KEYS, batch_len, gen).await;
     eprintln!("model test: {step} operations agreed");
+}
+
+/// Large batches, mostly claims and marks over a wider key space, so that most batches take the
+/// store's batch fast path (new keys by native `SET … NX GET`, the rest through the script):
+/// fresh keys, existing ones in every state, keys repeated within a batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_batches_answer_like_the_reference_model() {
+    let seed = seed();
+    eprintln!("large-batch model test: seed {seed} (replay with DG_MODEL_SEED={seed})");
+    let server = tokio::task::spawn_blocking(|| RedisServer::start(&["--appendonly", "no"]))
+        .await
+        .unwrap()
+        .expect("start redis-server");
+    let redis = RedisStore::open(&server.url()).await.expect("open store");
+    let gen_big = |rng: &mut StdRng| {
+        if rng.gen_bool(0.7) {
+            let fp = [None, Some("fa"), Some("fb")][rng.gen_range(0..3)];
+            if rng.gen_bool(0.7) {
+                Gen::Claim(fp, [None, Some("o1"), Some("o2")][rng.gen_range(0..3)])
+            } else {
+                Gen::Mark(fp, rng.gen_bool(0.5).then(|| json!({"m": rng.gen::<u8>()})))
+            }
+        } else {
+            gen(rng)
+        }
+    };
+    let step = compare(&redis, seed, 300, 200, |rng| rng.gen_range(24..64), gen_big).await;
+    let stats = server.cli(&["INFO", "commandstats"]).unwrap();
+    let calls = |cmd: &str| -> u64 {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    // Every script call reads TIME once; the fast path reads it twice per batch on its own.
+    assert!(
+        calls("time") > calls("evalsha"),
+        "the fast path never ran: {stats}"
+    );
+    eprintln!("large-batch model test: {step} operations agreed");
 }
