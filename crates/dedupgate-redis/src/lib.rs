@@ -112,6 +112,18 @@ pub enum OpenError {
         /// Why it could not be read.
         reason: String,
     },
+    /// The server is older than the store needs: `SET … NX GET` came with Redis 7.0, and on an
+    /// older server every claim would fail with a syntax error.
+    #[error(
+        "Redis at {url} is version {version}; the dedupgate Redis store needs Redis 7.0 or later \
+         (for SET … NX GET)"
+    )]
+    Version {
+        /// The server.
+        url: String,
+        /// The version it reported.
+        version: String,
+    },
 }
 
 impl From<OpenError> for dedupgate_core::StoreError {

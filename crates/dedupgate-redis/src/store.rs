@@ -250,6 +250,7 @@ impl RedisStore {
             describe,
         };
         inner.check_eviction_policy(&shown).await?;
+        inner.check_version(&shown).await?;
         let inner = Arc::new(inner);
         let queue = match inner.conn {
             Conn::Single(_) => {
@@ -282,6 +283,55 @@ impl Inner {
             cmd.arg("GET").arg("maxmemory-policy");
             cmd
         };
+        let replies = self.ask_every_master(cmd, shown).await?;
+        if self.opts.assume_noeviction {
+            return Ok(());
+        }
+        for (node, v) in replies {
+            let policy = policy_of(&v).ok_or_else(|| OpenError::ConfigUnavailable {
+                url: node.clone(),
+                reason: format!("unexpected CONFIG GET reply {v:?}"),
+            })?;
+            if policy != "noeviction" {
+                return Err(OpenError::EvictionPolicy { url: node, policy });
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses servers older than 7.0, which would fail every claim with a syntax error. A server
+    /// that does not say its version in `INFO server` (a proxy, a restricted user) is let
+    /// through: the first claim then reports the server's own error.
+    async fn check_version(&self, shown: &str) -> Result<(), OpenError> {
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("server");
+        let replies = match self.ask_every_master(cmd, shown).await {
+            Ok(replies) => replies,
+            // INFO disabled or not allowed: nothing to judge by.
+            Err(OpenError::ConfigUnavailable { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        for (node, v) in replies {
+            let info = match v {
+                Value::VerbatimString { text, .. } => text,
+                other => match text(&other) {
+                    Some(info) => info,
+                    None => continue,
+                },
+            };
+            if let Some(version) = too_old(&info) {
+                return Err(OpenError::Version { url: node, version });
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `cmd` to the server, or to every master of a cluster, and returns each node's reply.
+    async fn ask_every_master(
+        &self,
+        cmd: Cmd,
+        shown: &str,
+    ) -> Result<Vec<(String, Value)>, OpenError> {
         let replies: Vec<(String, Value)> = match &self.conn {
             Conn::Single(c) => vec![(shown.to_owned(), c.clone().req_packed_command(&cmd).await)],
             Conn::Cluster(h) => {
@@ -305,19 +355,7 @@ impl Inner {
                 .map_err(|e| check_error(node, e))
         })
         .collect::<Result<_, _>>()?;
-        if self.opts.assume_noeviction {
-            return Ok(());
-        }
-        for (node, v) in replies {
-            let policy = policy_of(&v).ok_or_else(|| OpenError::ConfigUnavailable {
-                url: node.clone(),
-                reason: format!("unexpected CONFIG GET reply {v:?}"),
-            })?;
-            if policy != "noeviction" {
-                return Err(OpenError::EvictionPolicy { url: node, policy });
-            }
-        }
-        Ok(())
+        Ok(replies)
     }
 
     fn eval_cmd(&self, chunk: &[Prepared]) -> Cmd {
@@ -1034,6 +1072,15 @@ fn check_error(url: String, e: redis::RedisError) -> OpenError {
     }
 }
 
+/// The version an `INFO server` reply gives, when it is below 7.0.
+fn too_old(info: &str) -> Option<String> {
+    let version = info
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("redis_version:"))?;
+    let major: u32 = version.split('.').next()?.parse().ok()?;
+    (major < 7).then(|| version.to_owned())
+}
+
 fn policy_of(v: &Value) -> Option<String> {
     match v {
         Value::Array(items) if items.len() == 2 => text(&items[1]),
@@ -1361,5 +1408,23 @@ impl Store for RedisStore {
 
     fn describe(&self) -> String {
         self.inner.describe.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::too_old;
+
+    #[test]
+    fn servers_before_7_0_are_too_old() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_git_sha1:0\r\n");
+        assert_eq!(too_old(&info("6.2.14")), Some("6.2.14".to_owned()));
+        assert_eq!(too_old(&info("5.0.7")), Some("5.0.7".to_owned()));
+        assert_eq!(too_old(&info("7.0.15")), None);
+        assert_eq!(too_old(&info("7.4.1")), None);
+        assert_eq!(too_old(&info("255.255.255")), None);
+        // A reply without a readable version is not judged.
+        assert_eq!(too_old("# Server\r\nuptime_in_seconds:3\r\n"), None);
+        assert_eq!(too_old(&info("unknown")), None);
     }
 }
