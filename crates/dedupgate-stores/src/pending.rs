@@ -154,7 +154,12 @@ impl Store for PendingStore {
     async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
         match self.shared.store.get() {
             Some(s) => s.apply(id, op).await,
-            None => Err(GateError::Store(self.not_open())),
+            // An invalid op is the caller's mistake whether or not the store is up: say so
+            // (400), as every opened store does, rather than "unavailable, retry" (503).
+            None => {
+                op.validate()?;
+                Err(GateError::Store(self.not_open()))
+            }
         }
     }
 
@@ -163,7 +168,10 @@ impl Store for PendingStore {
             Some(s) => s.apply_batch(ops).await,
             None => ops
                 .iter()
-                .map(|_| Err(GateError::Store(self.not_open())))
+                .map(|(_, op)| {
+                    op.validate()?;
+                    Err(GateError::Store(self.not_open()))
+                })
                 .collect(),
         }
     }
@@ -252,6 +260,34 @@ mod tests {
         );
         assert!(store.health().await.is_err());
         assert!(store.describe().contains("not open yet"));
+        // An invalid op is invalid (400), not unavailable (503), even before the store opens.
+        let bad = Op::Claim {
+            ttl_ms: 0,
+            lease_ms: 1_000,
+            fingerprint: None,
+            owner: None,
+        };
+        let r = store
+            .apply(RecordId::new("pending", "k").unwrap(), bad.clone())
+            .await;
+        assert!(matches!(r, Err(GateError::Invalid(_))), "{r:?}");
+        let answers = store
+            .apply_batch(vec![
+                (RecordId::new("pending", "a").unwrap(), bad),
+                (RecordId::new("pending", "b").unwrap(), Op::Get),
+            ])
+            .await;
+        assert!(
+            matches!(answers[0], Err(GateError::Invalid(_))),
+            "{answers:?}"
+        );
+        assert!(
+            matches!(
+                answers[1],
+                Err(GateError::Store(StoreError::Unavailable(_)))
+            ),
+            "{answers:?}"
+        );
 
         let spec: StoreSpec = format!("redis://127.0.0.1:{port}?wait_replicas=x")
             .parse()
