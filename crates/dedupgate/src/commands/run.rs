@@ -17,6 +17,7 @@
 //! recorded); 126 when CMD could not be executed; 127 when CMD was not found; 2 for bad usage.
 
 use std::ffi::OsString;
+use std::hash::BuildHasher;
 use std::io::IsTerminal;
 use std::process::{ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
@@ -259,7 +260,11 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
     }
 }
 
-/// Who holds a claim: host and process, shown to the triggers that find the key held.
+/// Who holds a claim: host, process and a nonce of this run (`host:pid/nonce`), shown to the
+/// triggers that find the key held. The owner must be unique to the run: the gate hands a claim
+/// naming the holder's own owner back to it, and two runs can share host and pid (containers
+/// with the host's hostname, each in its own pid namespace where `run` is often pid 1), which
+/// would then both run CMD.
 fn owner() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -267,19 +272,26 @@ fn owner() -> String {
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "localhost".to_owned());
-    owner_of(&host, std::process::id())
+    // RandomState's keys come from the operating system's random source (and differ for each
+    // instance): 64 bits that tell two runs apart, without another dependency.
+    let nonce = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+    owner_of(&host, std::process::id(), nonce)
 }
 
-fn owner_of(host: &str, pid: u32) -> String {
-    let owner = format!("{host}:{pid}");
-    // At most 200 bytes, cut on a character boundary: `String::truncate` panics inside a
-    // character, and $HOSTNAME is whatever the environment says.
-    let mut end = owner.len().min(200);
-    while !owner.is_char_boundary(end) {
+/// At most [`OWNER_BYTES_MAX`] bytes: the host is what gets cut (on a character boundary:
+/// `String::truncate` panics inside a character, and $HOSTNAME is whatever the environment
+/// says), never the pid and nonce that make the owner unique.
+fn owner_of(host: &str, pid: u32, nonce: u64) -> String {
+    let tail = format!(":{pid}/{nonce:016x}");
+    let mut end = host.len().min(OWNER_BYTES_MAX - tail.len());
+    while !host.is_char_boundary(end) {
         end -= 1;
     }
-    owner[..end].to_owned()
+    format!("{}{tail}", &host[..end])
 }
+
+/// Longest owner `run` names (the gate takes up to 256 bytes).
+const OWNER_BYTES_MAX: usize = 200;
 
 fn rfc3339(ms: i64) -> String {
     format_rfc3339_ms(ms, false).unwrap_or_else(|| ms.to_string())
@@ -532,14 +544,44 @@ async fn tee(
 
 #[cfg(test)]
 mod tests {
-    use super::owner_of;
+    use super::{owner, owner_of};
+    use dedupgate_core::{Claim, ClaimOptions, Gate, MemoryStore};
+
+    /// Two runs of one key on one host that share a pid (containers with the host's hostname,
+    /// each in its own pid namespace where `run` is often pid 1) must not name the same owner:
+    /// the gate hands a claim naming the holder's own owner back to it, so the second run would
+    /// run CMD beside the first.
+    #[tokio::test]
+    async fn two_runs_with_one_host_and_pid_name_different_owners() {
+        let (first, second) = (owner(), owner());
+        assert_ne!(first, second);
+        let gate = Gate::new(MemoryStore::new());
+        let claim = |owner: &str| {
+            gate.claim(
+                "run",
+                "nightly",
+                ClaimOptions {
+                    owner: Some(owner.to_owned()),
+                    ..ClaimOptions::default()
+                },
+            )
+        };
+        assert!(matches!(claim(&first).await, Ok(Claim::New(_))));
+        let again = claim(&second).await;
+        assert!(
+            matches!(again, Ok(Claim::Duplicate { .. })),
+            "the second run was let in: {again:?}"
+        );
+    }
 
     #[test]
     fn a_long_non_ascii_host_is_cut_on_a_character_boundary() {
-        let host = "ü".repeat(150); // 300 bytes; byte 200 falls inside no character, 199 does
-        let owner = owner_of(&format!("x{host}"), 7);
-        assert!(owner.len() <= 200 && owner.len() >= 199, "{}", owner.len());
-        assert!(owner.starts_with("xü"));
-        assert_eq!(owner_of("web-1", 42), "web-1:42");
+        let tail = ":7/0000000000000abc"; // 19 bytes: the host keeps at most 181
+        let host = "ü".repeat(150); // 300 bytes; byte 181 falls inside a character, 180 does not
+        let owner = owner_of(&host, 7, 0xabc);
+        assert_eq!(owner.len(), 180 + tail.len(), "{owner}");
+        assert!(owner.starts_with("üü"));
+        assert!(owner.ends_with(tail), "{owner}");
+        assert_eq!(owner_of("web-1", 42, 1), "web-1:42/0000000000000001");
     }
 }
