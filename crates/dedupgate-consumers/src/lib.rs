@@ -279,6 +279,9 @@ pub enum Handled<T, E> {
         /// When to deliver it again; `None`: rejected without requeue (idempotent mode, or the
         /// last attempt allowed).
         retry_after: Option<Duration>,
+        /// Retriable mode: why the claim could not be released, when it could not (it is then
+        /// held until its lease runs out).
+        unreleased: Option<GateError>,
     },
     /// The handler ran but the gate could not record its completion (store down, lease lost):
     /// the message is retried, so the handler may run again once the lease runs out.
@@ -386,10 +389,15 @@ impl<T, E: fmt::Display> fmt::Display for Handled<T, E> {
                 mode,
                 attempt,
                 retry_after,
+                unreleased,
             } => {
                 let delivery = match attempt {
                     Some(n) => format!("delivery {n}"),
                     None => "delivery count unknown".to_owned(),
+                };
+                let released = match unreleased {
+                    None => "released".to_owned(),
+                    Some(e) => format!("not released ({e}), held until its lease runs out"),
                 };
                 match (mode, retry_after) {
                     (Mode::Idempotent, _) => write!(
@@ -398,12 +406,12 @@ impl<T, E: fmt::Display> fmt::Display for Handled<T, E> {
                     ),
                     (Mode::Retriable, Some(after)) => write!(
                         f,
-                        "{key}: handler failed (retriable, {delivery}): released, retried in {} ms: {error}",
+                        "{key}: handler failed (retriable, {delivery}): {released}, retried in {} ms: {error}",
                         after.as_millis()
                     ),
                     (Mode::Retriable, None) => write!(
                         f,
-                        "{key}: handler failed (retriable, {delivery}, max_attempts reached): released, rejected without requeue: {error}"
+                        "{key}: handler failed (retriable, {delivery}, max_attempts reached): {released}, rejected without requeue: {error}"
                     ),
                 }
             }
@@ -540,9 +548,13 @@ impl ConsumerGate {
     /// Gives up on a retriable message whose handler failed on its `n`-th delivery or later:
     /// the claim is released and the message rejected without requeue (dead-lettered; dropped
     /// by a queue without a dead-letter exchange; JetStream: term), logged with the error.
-    /// Counts are the broker's, which include deliveries requeued because another consumer
-    /// held the key (JetStream; RabbitMQ quorum queues before 4.0). A broker that gives no
-    /// count (a classic RabbitMQ queue) never reaches it. Unset by default. Refused when 0.
+    /// Counts are the broker's, which include every requeue, not only failures: deliveries
+    /// requeued because another consumer held the key or because the gate was unavailable
+    /// (JetStream; RabbitMQ quorum queues before 4.0). A store outage of a minute at the default
+    /// 1 s unavailable retry adds about 60, so set `n` well above the requeues an outage can
+    /// cause, or a message may be given up on its first real failure (its failure delay then
+    /// also starts near the cap). A broker that gives no count (a classic RabbitMQ queue)
+    /// never reaches it. Unset by default. Refused when 0.
     pub fn max_attempts(mut self, n: u32) -> Result<Self, InvalidInput> {
         if n == 0 {
             return Err(InvalidInput::new(
@@ -662,7 +674,12 @@ impl ConsumerGate {
                 },
                 State::Completed => Handled::Duplicate { key, record },
             },
-            Err(RunError::Handler(error)) => {
+            Err(run_error @ (RunError::Handler(_) | RunError::HandlerUnreleased { .. })) => {
+                let (error, unreleased) = match run_error {
+                    RunError::HandlerUnreleased { error, release } => (error, Some(release)),
+                    RunError::Handler(error) => (error, None),
+                    _ => unreachable!("matched above"),
+                };
                 let policy = &self.failure_retry;
                 let retry_after = match self.mode {
                     Mode::Idempotent => None,
@@ -675,6 +692,7 @@ impl ConsumerGate {
                     mode: self.mode,
                     attempt: attempt.number,
                     retry_after,
+                    unreleased,
                 }
             }
             Err(RunError::Unrecorded { error }) => Handled::Unrecorded {

@@ -95,7 +95,15 @@ where
 /// counts as uncounted.
 pub fn attempt(message: &JsMessage) -> Attempt {
     match message.info() {
-        Ok(info) => Attempt::nth(u32::try_from(info.delivered).unwrap_or(u32::MAX)),
+        // A count that does not fit (negative: no real server sends one) is no count at all,
+        // never "the last attempt".
+        Ok(info) => match u32::try_from(info.delivered) {
+            Ok(n) => Attempt::nth(n),
+            Err(_) => Attempt {
+                number: None,
+                redelivered: true,
+            },
+        },
         Err(_) => Attempt {
             number: None,
             redelivered: false,

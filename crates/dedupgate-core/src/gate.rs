@@ -87,10 +87,20 @@ pub enum RunError<E> {
     /// The gate could not decide; the handler did not run.
     #[error(transparent)]
     Gate(GateError),
-    /// The handler failed. In retriable mode the claim was released (if the release itself
-    /// failed, the lease runs out instead), so the next delivery runs it again.
+    /// The handler failed. In retriable mode the claim was released, so the next delivery
+    /// runs it again.
     #[error("handler failed: {0}")]
     Handler(E),
+    /// Retriable mode: the handler failed and releasing its claim failed too (the store was
+    /// down, or the lease was already lost). The key stays held until the lease runs out; a
+    /// delivery after that runs it again.
+    #[error("handler failed: {error}; its claim was not released ({release}), so it is held until the lease runs out")]
+    HandlerUnreleased {
+        /// The handler's error.
+        error: E,
+        /// Why the release failed.
+        release: GateError,
+    },
     /// The handler succeeded but its completion was not recorded (lease lost or store down):
     /// another worker may run it again once the lease runs out.
     #[error("handler ran but its completion was not recorded: {error}")]
@@ -366,11 +376,10 @@ impl Gate {
                             Err(error) => Err(RunError::Unrecorded { error }),
                         }
                     }
-                    Err(e) => {
-                        // Best effort: if the release fails the lease runs out instead.
-                        let _ = self.release(namespace, key, &lease.token).await;
-                        Err(RunError::Handler(e))
-                    }
+                    Err(e) => match self.release(namespace, key, &lease.token).await {
+                        Ok(()) => Err(RunError::Handler(e)),
+                        Err(release) => Err(RunError::HandlerUnreleased { error: e, release }),
+                    },
                 }
             }
         }
@@ -407,4 +416,40 @@ fn unexpected(outcome: Outcome) -> GateError {
         "store answered with an outcome of another operation: {}",
         outcome.label()
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    /// A retriable handler's failure says whether its claim was released: when the release
+    /// fails (here the record was forgotten under the holder), the caller must not be told the
+    /// key is free again.
+    #[tokio::test]
+    async fn a_failed_handler_reports_whether_its_claim_was_released() {
+        let gate = Gate::new(MemoryStore::new());
+        let fails = || async { Err::<(), _>("boom") };
+        let r = gate.run("jobs", "a", Mode::Retriable, fails).await;
+        assert!(matches!(r, Err(RunError::Handler("boom"))), "{r:?}");
+        assert!(gate.get("jobs", "a").await.unwrap().is_none(), "released");
+
+        let inner = gate.clone();
+        let r = gate
+            .run("jobs", "b", Mode::Retriable, || async move {
+                inner.forget("jobs", "b").await.unwrap();
+                Err::<(), _>("boom")
+            })
+            .await;
+        assert!(
+            matches!(
+                r,
+                Err(RunError::HandlerUnreleased {
+                    error: "boom",
+                    release: _
+                })
+            ),
+            "{r:?}"
+        );
+    }
 }

@@ -574,7 +574,7 @@ impl Inner {
     /// `TIME`, then the pipeline), which must stay well inside `fence_keep_ms`. With a shorter
     /// keep every op goes through the script.
     fn fast_path_allowed(&self) -> bool {
-        self.opts.fence_keep_ms > 2 * self.opts.response_timeout_ms
+        self.opts.fence_keep_ms > self.opts.response_timeout_ms.saturating_mul(2)
     }
 
     /// The batch path for many claims and marks of new keys. Inside the script a new key costs
