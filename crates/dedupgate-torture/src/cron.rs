@@ -71,7 +71,7 @@ pub enum CronLine {
     Spawned {
         /// Attempt id.
         attempt: String,
-        /// Its pid (the owner `run` records is `host:pid`).
+        /// Its pid (the owner `run` records is `host:pid/nonce`).
         pid: u32,
     },
     /// The worker SIGKILLed it.
@@ -465,7 +465,10 @@ pub fn check(
             .and_then(|v| v.as_str())
             .unwrap_or("")
             .to_owned();
-        let owner_pid: Option<u32> = owner.rsplit_once(':').and_then(|(_, p)| p.parse().ok());
+        // `host:pid/nonce` (older runs wrote `host:pid`).
+        let owner_pid: Option<u32> = owner
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.split('/').next()?.parse().ok());
         if *m == DeliveryMode::Retriable {
             if rec.state != State::Completed {
                 r.lost
@@ -635,7 +638,7 @@ mod tests {
         check1(
             &fx,
             lines,
-            &final_read("h:2", "{\"attempt\":\"b\"}"),
+            &final_read("h:2/5f1e", "{\"attempt\":\"b\"}"),
             DeliveryMode::Retriable,
         )
     }
