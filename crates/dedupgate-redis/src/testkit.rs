@@ -57,6 +57,26 @@ impl RedisServer {
         Err(last.unwrap_or_else(|| std::io::Error::other("could not start redis-server")))
     }
 
+    /// Starts a replica of the server on `primary_port` (with `extra` config arguments) and
+    /// waits, up to 20 s, until its link to the primary is up.
+    pub fn start_replica(primary_port: u16, extra: &[&str]) -> std::io::Result<Self> {
+        let port = primary_port.to_string();
+        let mut args = vec!["--replicaof", "127.0.0.1", port.as_str()];
+        args.extend_from_slice(extra);
+        let replica = Self::start(&args)?;
+        let started = std::time::Instant::now();
+        while !replica
+            .cli(&["INFO", "replication"])?
+            .contains("master_link_status:up")
+        {
+            if started.elapsed() > std::time::Duration::from_secs(20) {
+                return Err(std::io::Error::other("replica never linked"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Ok(replica)
+    }
+
     /// Starts a server in `dir` on `port` (the directory is kept when the server goes).
     pub fn start_in(dir: &Path, port: u16, extra: &[&str]) -> std::io::Result<Self> {
         let mut s = Self {

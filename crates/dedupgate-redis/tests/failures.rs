@@ -180,28 +180,11 @@ async fn wait_for_replicas_answers_unavailable_until_a_replica_acks() {
         Ok(Outcome::Found(_))
     ));
 
-    let port = primary.port().to_string();
-    let replica = tokio::task::spawn_blocking(move || {
-        let args: &'static [&'static str] = Box::leak(
-            vec!["--replicaof", "127.0.0.1", Box::leak(port.into_boxed_str())].into_boxed_slice(),
-        );
-        RedisServer::start(args)
-    })
-    .await
-    .unwrap()
-    .expect("start replica");
-    let started = Instant::now();
-    while !replica
-        .cli(&["INFO", "replication"])
+    let port = primary.port();
+    let replica = tokio::task::spawn_blocking(move || RedisServer::start_replica(port, &[]))
+        .await
         .unwrap()
-        .contains("master_link_status:up")
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "replica never linked"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        .expect("start a linked replica");
     // A generous WAIT timeout here: on a loaded machine a freshly linked replica may take more
     // than 100 ms to acknowledge, and this half checks that an attached replica suffices.
     let url = format!("{}?wait_replicas=1&wait_timeout_ms=10000", primary.url());

@@ -772,25 +772,13 @@ async fn fast_path_waits_for_replicas() {
     assert!(!stats.contains("cmdstat_evalsha"), "{stats}");
     assert!(stats.contains("cmdstat_wait:calls=1,"), "{stats}");
 
-    let port = primary.port().to_string();
+    let port = primary.port();
     let replica = tokio::task::spawn_blocking(move || {
-        RedisServer::start(&["--appendonly", "no", "--replicaof", "127.0.0.1", &port])
+        RedisServer::start_replica(port, &["--appendonly", "no"])
     })
     .await
     .unwrap()
-    .expect("start replica");
-    let started = std::time::Instant::now();
-    while !replica
-        .cli(&["INFO", "replication"])
-        .unwrap()
-        .contains("master_link_status:up")
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "replica never linked"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    .expect("start a linked replica");
     // A generous WAIT timeout: a freshly linked replica on a loaded machine may be slow.
     let url = format!("{}?wait_replicas=1&wait_timeout_ms=10000", primary.url());
     let store = RedisStore::open(&url).await.unwrap();
