@@ -166,6 +166,15 @@ async fn take(channel: &Channel, queue: &str) -> Option<BasicGetMessage> {
         .expect("basic.get")
 }
 
+/// Cancels the tests' consumer ("c") and checks that `queue` holds nothing.
+async fn stop_with_queue_empty(channel: &Channel, queue: &str) {
+    channel
+        .basic_cancel("c", Default::default())
+        .await
+        .expect("cancel");
+    assert_eq!(message_count(channel, queue).await, 0);
+}
+
 async fn message_count(channel: &Channel, queue: &str) -> u32 {
     channel
         .queue_declare(
@@ -322,11 +331,7 @@ async fn a_message_without_a_key_is_rejected_with_the_reason() {
         other => panic!("expected a rejection, got {other}"),
     }
     assert_eq!(handled.action(), Action::Reject);
-    channel
-        .basic_cancel("c", Default::default())
-        .await
-        .expect("cancel");
-    assert_eq!(message_count(&channel, &queue).await, 0);
+    stop_with_queue_empty(&channel, &queue).await;
     assert_eq!(
         drain(&channel, &dlq).await.len(),
         1,
@@ -406,11 +411,7 @@ async fn a_poison_message_backs_off_and_is_dead_lettered_after_max_attempts() {
 
     // Nothing is left in the work queue; the message is in the dead-letter queue, rejected
     // once from the work queue; and its key is free again (released, not completed).
-    channel
-        .basic_cancel("c", Default::default())
-        .await
-        .expect("cancel");
-    assert_eq!(message_count(&channel, &queue).await, 0);
+    stop_with_queue_empty(&channel, &queue).await;
     let dead = take(&channel, &dlq)
         .await
         .expect("the message is dead-lettered");
@@ -475,11 +476,7 @@ async fn a_handler_failing_twice_then_succeeding_runs_to_completion_once() {
     common::assert_backed_off(&seen, gate.failure_policy());
     assert_eq!(seen[2].action, Action::Ack);
 
-    channel
-        .basic_cancel("c", Default::default())
-        .await
-        .expect("cancel");
-    assert_eq!(message_count(&channel, &queue).await, 0);
+    stop_with_queue_empty(&channel, &queue).await;
     assert!(
         take(&channel, &dlq).await.is_none(),
         "nothing dead-lettered"
@@ -521,11 +518,7 @@ async fn an_uncounted_redelivery_waits_the_initial_delay_and_is_not_given_up() {
             failure: true
         }));
 
-    channel
-        .basic_cancel("c", Default::default())
-        .await
-        .expect("cancel");
-    assert_eq!(message_count(&channel, &queue).await, 0);
+    stop_with_queue_empty(&channel, &queue).await;
     assert!(
         take(&channel, &dlq).await.is_none(),
         "nothing dead-lettered"
@@ -593,11 +586,7 @@ async fn deliveries_are_counted_from_x_death_in_a_dead_letter_retry_loop() {
     assert_eq!(actions, [Action::Reject, Action::Reject, Action::Ack]);
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 
-    channel
-        .basic_cancel("c", Default::default())
-        .await
-        .expect("cancel");
-    assert_eq!(message_count(&channel, &queue).await, 0);
+    stop_with_queue_empty(&channel, &queue).await;
     assert_eq!(message_count(&channel, &wait).await, 0);
     delete(&channel, &[&queue, &wait]).await;
     conn.close(200, "done").await.expect("close");
