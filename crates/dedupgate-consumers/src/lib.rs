@@ -674,26 +674,9 @@ impl ConsumerGate {
                 },
                 State::Completed => Handled::Duplicate { key, record },
             },
-            Err(run_error @ (RunError::Handler(_) | RunError::HandlerUnreleased { .. })) => {
-                let (error, unreleased) = match run_error {
-                    RunError::HandlerUnreleased { error, release } => (error, Some(release)),
-                    RunError::Handler(error) => (error, None),
-                    _ => unreachable!("matched above"),
-                };
-                let policy = &self.failure_retry;
-                let retry_after = match self.mode {
-                    Mode::Idempotent => None,
-                    Mode::Retriable if policy.gives_up(attempt.number) => None,
-                    Mode::Retriable => Some(policy.delay(attempt.number)),
-                };
-                Handled::Failed {
-                    key,
-                    error,
-                    mode: self.mode,
-                    attempt: attempt.number,
-                    retry_after,
-                    unreleased,
-                }
+            Err(RunError::Handler(error)) => self.failed(key, error, None, attempt.number),
+            Err(RunError::HandlerUnreleased { error, release }) => {
+                self.failed(key, error, Some(release), attempt.number)
             }
             Err(RunError::Unrecorded { error }) => Handled::Unrecorded {
                 key,
@@ -717,6 +700,31 @@ impl ConsumerGate {
             },
         };
         self.logged(handled)
+    }
+
+    /// A failed handler: retried after the failure delay, or (idempotent mode, or the last
+    /// attempt allowed) rejected.
+    fn failed<T, E>(
+        &self,
+        key: String,
+        error: E,
+        unreleased: Option<GateError>,
+        attempt: Option<u32>,
+    ) -> Handled<T, E> {
+        let policy = &self.failure_retry;
+        let retry_after = match self.mode {
+            Mode::Idempotent => None,
+            Mode::Retriable if policy.gives_up(attempt) => None,
+            Mode::Retriable => Some(policy.delay(attempt)),
+        };
+        Handled::Failed {
+            key,
+            error,
+            mode: self.mode,
+            attempt,
+            retry_after,
+            unreleased,
+        }
     }
 
     /// The in-progress delay, capped by the holder's remaining lease so that a crashed holder's
