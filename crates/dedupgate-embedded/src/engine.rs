@@ -51,6 +51,39 @@ pub trait Txn {
     fn meta_put(&mut self, name: &str, value: u64) -> Result<(), EngineError>;
     /// True when no entry is stored (checked only when a store has no format version).
     fn is_empty(&mut self) -> Result<bool, EngineError>;
+    /// Copies the key-set value stored under `key` (see [`crate::keyset`]) into `out`; false
+    /// when there is none. Unlike [`Txn::get`], sees this transaction's own key-set puts.
+    /// An engine without a key set holds an empty one: its reads find nothing, its writes fail.
+    fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
+        let _ = (key, out);
+        Ok(false)
+    }
+    /// Stores a key-set value, replacing any.
+    fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
+        let _ = (key, value);
+        Err(no_key_set())
+    }
+    /// Removes a key-set value, if any.
+    fn set_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
+        let _ = key;
+        Err(no_key_set())
+    }
+    /// Appends to `out` up to `max` key-set entries whose keys sort after `after`, smallest
+    /// first (the sweeper's walk).
+    fn set_after(
+        &mut self,
+        after: &[u8],
+        max: usize,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        let _ = (after, max, out);
+        Ok(())
+    }
+}
+
+/// What an engine without a key set answers (the comparison engines of the benchmarks).
+fn no_key_set() -> EngineError {
+    EngineError::Other("this engine keeps no key set".into())
 }
 
 /// A read-only view of the entries exactly as the last durable commit left them: callers read it
@@ -134,6 +167,8 @@ pub struct FjallEngine {
     entries: fjall::PartitionHandle,
     expiry: fjall::PartitionHandle,
     meta: fjall::PartitionHandle,
+    /// The key set of `dedup --ledger` (see [`crate::keyset`]).
+    keyset: fjall::PartitionHandle,
     path: PathBuf,
     /// The write transaction's buffered entry puts, kept for the next one.
     puts: PutBuffer,
@@ -183,11 +218,13 @@ impl FjallEngine {
         let entries = keyspace.open_partition("entries", opts())?;
         let expiry = keyspace.open_partition("expiry", opts())?;
         let meta = keyspace.open_partition("meta", opts())?;
+        let keyset = keyspace.open_partition("keyset", opts())?;
         Ok(Self {
             keyspace,
             entries,
             expiry,
             meta,
+            keyset,
             path: path.to_owned(),
             puts: PutBuffer::default(),
             last: PutBuffer::default(),
@@ -396,7 +433,45 @@ impl Txn for FjallTxn<'_> {
 
     fn is_empty(&mut self) -> Result<bool, EngineError> {
         self.flush()?;
-        Ok(self.engine.entries.is_empty()?)
+        Ok(self.engine.entries.is_empty()? && self.engine.keyset.is_empty()?)
+    }
+
+    fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
+        match self.engine.keyset.get(key)? {
+            Some(v) => {
+                out.clear();
+                out.extend_from_slice(&v);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.keyset.insert(key, value)?;
+        Ok(())
+    }
+
+    fn set_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.keyset.remove(key)?;
+        Ok(())
+    }
+
+    fn set_after(
+        &mut self,
+        after: &[u8],
+        max: usize,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        use std::ops::Bound;
+        let range = (Bound::Excluded(after), Bound::Unbounded);
+        for item in self.engine.keyset.range::<&[u8], _>(range).take(max) {
+            let (k, v) = item?;
+            out.push((k.to_vec(), v.to_vec()));
+        }
+        Ok(())
     }
 }
 
@@ -474,7 +549,7 @@ impl Engine for FjallEngine {
             None => 0,
         };
         self.meta.insert(META_CHECKPOINTS, (n + 1).to_le_bytes())?;
-        let partitions = [&self.entries, &self.expiry, &self.meta];
+        let partitions = [&self.entries, &self.expiry, &self.meta, &self.keyset];
         for partition in partitions {
             partition.rotate_memtable()?;
         }
@@ -534,7 +609,7 @@ impl Engine for FjallEngine {
     /// every change); the next open is merely slower.
     fn close(&mut self) -> Result<(), EngineError> {
         use lsm_tree::AbstractTree;
-        let partitions = [&self.entries, &self.expiry, &self.meta];
+        let partitions = [&self.entries, &self.expiry, &self.meta, &self.keyset];
         for partition in partitions {
             partition.rotate_memtable()?;
         }

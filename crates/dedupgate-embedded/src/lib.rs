@@ -19,6 +19,8 @@
 //!   by measurement against redb, redb behind our own log, and SQLite (see
 //!   `docs/embedded-engine.md`).
 //! - [`codec`]: the versioned entry encoding; corrupt bytes decode to an error, never to "absent".
+//! - [`keyset`]: a set of keys with expiry beside the records ([`EmbeddedStore::key_set`]), for
+//!   `dedup --ledger`: one put per new key instead of a gate record.
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -37,10 +39,12 @@
 pub mod codec;
 pub mod engine;
 mod error;
+pub mod keyset;
 mod store;
 mod writer;
 
 pub use error::OpenError;
+pub use keyset::KeySetCall;
 pub use store::{EmbeddedOptions, EmbeddedStore};
 
 /// Format version of the store's layout (tables and encodings). A store written with another

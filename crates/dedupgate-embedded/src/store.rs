@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::codec::{decode_entry, encode_id};
 use crate::engine::{Engine, EngineError, EngineOpener, FjallEngine};
 use crate::error::OpenError;
+use crate::keyset::KeySetCall;
 use crate::writer::{check_format, FormatProblem, Request, Shared, Writer};
 use crate::{ENGINE_DIR_NAME, FORMAT_FILE_NAME, LOCK_FILE_NAME};
 
@@ -441,6 +442,7 @@ impl EmbeddedStore {
             shared: shared.clone(),
             batch_ops_max: options.batch_ops_max,
             index_seq: 0,
+            keyset_cursor: Vec::new(),
         };
         let writer = std::thread::Builder::new()
             .name("dedupgate-writer".into())
@@ -521,6 +523,20 @@ impl EmbeddedStore {
             self.view_credit.record(answer.is_some());
         }
         answer
+    }
+
+    /// Runs one call on the key set (see [`crate::keyset`]): one bool per key of `call.check`,
+    /// true when it was new. Answered after the call's writes are fsync'd; an unreadable member
+    /// fails the call with [`StoreError::Corrupt`] and writes nothing.
+    pub async fn key_set(&self, call: KeySetCall) -> Result<Vec<bool>, GateError> {
+        call.validate()?;
+        self.check_available()?;
+        if call.check.is_empty() && call.record.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (reply, rx) = oneshot::channel();
+        self.send(Request::KeySet { call, reply }).await?;
+        rx.await.map_err(|_| writer_gone())?
     }
 
     /// The store's clock (the one leases and ttls are judged on).

@@ -23,6 +23,7 @@ use crate::codec::{
     EXPIRY_RECORD_IDS_MAX,
 };
 use crate::engine::{DurableView, Engine, EngineError, EngineOpener, Txn};
+use crate::keyset::{self, KeySetCall};
 
 /// Meta key of the latest instant any commit decided on (unix ms).
 pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
@@ -57,6 +58,11 @@ pub(crate) enum Request {
     },
     Stats {
         reply: oneshot::Sender<Result<StoreStats, StoreError>>,
+    },
+    KeySet {
+        call: KeySetCall,
+        /// One bool per key checked: true when it was new.
+        reply: oneshot::Sender<Result<Vec<bool>, GateError>>,
     },
 }
 
@@ -310,6 +316,8 @@ pub(crate) struct Writer {
     pub batch_ops_max: usize,
     /// Sequence number of the last expiry-index record written.
     pub index_seq: u64,
+    /// Where the sweeper's walk through the key set goes on (empty: from the start).
+    pub keyset_cursor: Vec<u8>,
 }
 
 impl Writer {
@@ -344,6 +352,11 @@ impl Writer {
                 }
                 Request::Stats { reply } => {
                     let r = self.stats();
+                    let _ = reply.send(r);
+                    continue;
+                }
+                Request::KeySet { call, reply } => {
+                    let r = self.key_set(&call);
                     let _ = reply.send(r);
                     continue;
                 }
@@ -400,7 +413,7 @@ impl Writer {
                     replies.push((many.len(), Some(Reply::Many(reply))));
                     ops.extend(many);
                 }
-                Request::Sweep { .. } | Request::Stats { .. } => {
+                Request::Sweep { .. } | Request::Stats { .. } | Request::KeySet { .. } => {
                     unreachable!("only op requests are batched")
                 }
             }
@@ -494,16 +507,60 @@ impl Writer {
         }
     }
 
-    /// Sweeps one bounded batch: how many entries went, and whether passed records remain.
+    /// Runs one key-set call in its own transaction: one fsync when it wrote anything, before
+    /// the answer.
+    fn key_set(&mut self, call: &KeySetCall) -> Result<Vec<bool>, GateError> {
+        let now_ms = self.clock.now_ms();
+        let mut answers = Vec::with_capacity(call.check.len());
+        let mut unreadable = None;
+        let engine = self.engine.as_mut().expect("checked by the caller");
+        let result = engine.write(&mut |txn: &mut dyn Txn| {
+            match keyset::apply(txn, call, now_ms, &mut answers)? {
+                Ok(true) => {
+                    // As for records: a restart's clock never starts before this instant.
+                    if txn.meta_get(META_CLOCK_MS)?.unwrap_or(0) < now_ms {
+                        txn.meta_put(META_CLOCK_MS, now_ms)?;
+                    }
+                    Ok(true)
+                }
+                Ok(false) => Ok(false),
+                Err(e) => {
+                    unreadable = Some(e);
+                    Ok(false)
+                }
+            }
+        });
+        match (result, unreadable) {
+            (Ok(()), None) => {
+                self.shared.commits_total.fetch_add(1, Ordering::Relaxed);
+                Ok(answers)
+            }
+            (Ok(()), Some(e)) => Err(StoreError::Corrupt(e.0).into()),
+            (Err(e), _) => {
+                self.fail(&e);
+                Err(engine_store_error(&e).into())
+            }
+        }
+    }
+
+    /// Sweeps one bounded batch of records and one bounded step of the key set's walk: how many
+    /// went, and whether more may be waiting.
     fn sweep(&mut self, batch_max: usize) -> Result<(u64, bool), StoreError> {
         let now_ms = self.clock.now_ms();
         let mut removed = 0u64;
         let mut more = false;
+        let mut set_removed = 0u64;
         let engine = self.engine.as_mut().expect("checked by the caller");
+        let cursor = &mut self.keyset_cursor;
         let result = engine.write(&mut |txn: &mut dyn Txn| {
             removed = 0;
-            sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)
+            let wrote = sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)?;
+            set_removed = keyset::sweep_step(txn, cursor, now_ms, batch_max)?;
+            Ok(wrote || set_removed > 0)
         });
+        // The walk goes on at once while it finds expired members and has not wrapped.
+        let more = more || (set_removed > 0 && !self.keyset_cursor.is_empty());
+        let removed = removed + set_removed;
         match result {
             Ok(()) => {
                 if removed > 0 {
@@ -595,6 +652,9 @@ impl Writer {
             }
             Request::Stats { reply } => {
                 let _ = reply.send(Err(err()));
+            }
+            Request::KeySet { reply, .. } => {
+                let _ = reply.send(Err(err().into()));
             }
         }
     }

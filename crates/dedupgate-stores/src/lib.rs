@@ -226,24 +226,30 @@ impl Default for StoreSpec {
     }
 }
 
+/// Opens the embedded store in `dir` with default options, as itself rather than as a
+/// [`Store`] (for what only it offers, such as its key set).
+pub async fn open_embedded(
+    dir: &std::path::Path,
+) -> Result<Arc<dedupgate_embedded::EmbeddedStore>, OpenStoreError> {
+    let dir = dir.to_owned();
+    // Opening replays the engine journal: file I/O, kept off the async workers.
+    let store = tokio::task::spawn_blocking(move || {
+        dedupgate_embedded::EmbeddedStore::open(
+            &dir,
+            dedupgate_embedded::EmbeddedOptions::default(),
+        )
+        .map_err(|source| OpenStoreError::Embedded { dir, source })
+    })
+    .await
+    .map_err(OpenStoreError::EmbeddedTask)??;
+    Ok(Arc::new(store))
+}
+
 /// Opens the store a spec names.
 pub async fn open(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenStoreError> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
-        StoreSpec::Embedded(dir) => {
-            let dir = dir.clone();
-            // Opening replays the engine journal: file I/O, kept off the async workers.
-            let store = tokio::task::spawn_blocking(move || {
-                dedupgate_embedded::EmbeddedStore::open(
-                    &dir,
-                    dedupgate_embedded::EmbeddedOptions::default(),
-                )
-                .map_err(|source| OpenStoreError::Embedded { dir, source })
-            })
-            .await
-            .map_err(OpenStoreError::EmbeddedTask)??;
-            Ok(Arc::new(store))
-        }
+        StoreSpec::Embedded(dir) => Ok(open_embedded(dir).await?),
         StoreSpec::Postgres(url) => {
             let store = dedupgate_postgres::PgStore::open(url)
                 .await

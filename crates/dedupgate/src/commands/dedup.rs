@@ -300,11 +300,12 @@ impl Job<'_> {
                             counts.duplicates += 1;
                             continue;
                         }
-                        let key = match (spec, &line.text) {
+                        let key = || match (spec, &line.text) {
                             (KeySpec::Template(_), Some(text)) => text.clone(),
                             _ => hex::encode(digest),
                         };
                         book.push(
+                            digest,
                             key,
                             |buf| write_line(bytes, emit_id, digest, buf),
                             counts,
@@ -406,10 +407,11 @@ impl Job<'_> {
         book: &mut Ledger<'_>,
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
-        let key = self.spec.ledger_key(digest, scratch);
+        let spec = self.spec;
         let emit_id = self.emit_id;
         book.push(
-            key,
+            digest,
+            || spec.ledger_key(digest, scratch),
             |buf| {
                 let hex;
                 let id = match emit_id {

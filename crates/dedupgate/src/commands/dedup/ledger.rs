@@ -5,16 +5,31 @@
 //! call (one group commit on the embedded store). While that call is in flight the caller
 //! keys and collects the next batch; when that one is full, the call's answers are waited for,
 //! its new records written (in input order) and the output flushed, and only then the next
-//! call goes out. In the retriable mode each call first completes the claims of the records the
-//! previous call let through (written and flushed by then), then claims the new batch's keys:
-//! one commit per batch for both. Calls never overlap, so a key completed by one call is
-//! settled before any key of the next is decided.
+//! call goes out. Calls never overlap, so a key settled by one call is settled before any key
+//! of the next is decided.
+//!
+//! Two kinds of ledger:
+//! - **An embedded store held by this run** keeps the keys in its key set
+//!   ([`dedupgate_embedded::keyset`]): one put per new key. No other process can use the
+//!   directory meanwhile (its lock), so nothing needs claiming: in the retriable mode a call
+//!   only looks the batch's keys up, and the keys of the records it let through (written and
+//!   flushed by then) are recorded by the next call; a run that dies in between recorded
+//!   nothing of them, and the next run emits them again. In the at-most-once mode a call
+//!   records the new keys before they are written.
+//! - **Any other store, or a server**, which other runs may share, keeps gate records: in the
+//!   retriable mode each call first completes the claims of the records the previous call let
+//!   through, then claims the new batch's keys (one commit per batch for both); a run that dies
+//!   leaves claims that expire after [`LEDGER_LEASE_MS`]. In the at-most-once mode a call marks.
 
 use std::collections::HashSet;
 use std::io::Write;
 
+use std::sync::Arc;
+
 use anyhow::anyhow;
-use dedupgate_core::Token;
+use dedupgate_core::{Namespace, Token};
+use dedupgate_embedded::keyset::KeyId;
+use dedupgate_embedded::{EmbeddedStore, KeySetCall};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
@@ -79,7 +94,9 @@ impl Window {
 /// Records waiting for one ledger call, back to back.
 #[derive(Default)]
 struct Batch {
+    /// Each record's key: its text for a gate ledger, its id for a key set.
     keys: Vec<String>,
+    ids: Vec<KeyId>,
     bytes: Vec<u8>,
     /// End of each record in `bytes`.
     ends: Vec<usize>,
@@ -88,8 +105,13 @@ struct Batch {
 impl Batch {
     fn clear(&mut self) {
         self.keys.clear();
+        self.ids.clear();
         self.bytes.clear();
         self.ends.clear();
+    }
+
+    fn len(&self) -> usize {
+        self.ends.len()
     }
 
     fn record(&self, i: usize) -> &[u8] {
@@ -102,30 +124,47 @@ impl Batch {
 struct Sent {
     batch: Batch,
     completes: Vec<(String, Token)>,
+    /// Key-set ids the call recorded.
+    recorded: usize,
+}
+
+/// Where the ledger keeps its keys.
+enum Sink {
+    /// Gate records in any store or a server.
+    Gate {
+        backend: Backend,
+        write: LedgerWrite,
+    },
+    /// The key set of an embedded store this run holds.
+    KeySet(Arc<EmbeddedStore>),
 }
 
 type CallResult = (Sent, anyhow::Result<LedgerAnswers>);
 
 /// The ledger of one run.
 pub struct Ledger<'a> {
-    backend: Backend,
+    sink: Sink,
+    /// For messages.
+    describe: String,
     namespace: String,
     ttl_ms: u64,
     mode: LedgerMode,
-    write: LedgerWrite,
     rt: &'a Runtime,
     batch_records: usize,
     window: Window,
     batch: Batch,
     spare: Batch,
     in_flight: Option<JoinHandle<CallResult>>,
-    /// Claims of written and flushed records, completed by the next call.
+    /// Claims of written and flushed records, completed by the next call (gate ledger).
     to_complete: Vec<(String, Token)>,
+    /// Ids of written and flushed records, recorded by the next call (key-set ledger).
+    to_record: Vec<KeyId>,
 }
 
 impl<'a> Ledger<'a> {
-    /// A ledger writing to `backend`; `rt` must run spawned tasks on its own threads (a
-    /// multi-thread runtime), so calls go on while the caller builds the next batch.
+    /// A ledger writing to `backend` (to its key set when it is an embedded store); `rt` must
+    /// run spawned tasks on its own threads (a multi-thread runtime), so calls go on while the
+    /// caller builds the next batch.
     pub fn new(
         backend: &Backend,
         namespace: &str,
@@ -136,20 +175,27 @@ impl<'a> Ledger<'a> {
         window_keys: usize,
     ) -> Self {
         let batch_records = batch_records.clamp(1, LEDGER_BATCH_RECORDS_MAX);
-        let write = match mode {
-            LedgerMode::Retriable => LedgerWrite::Claim {
-                lease_ms: LEDGER_LEASE_MS,
-                // Claims of this run name this owner, so a retried call gets its own claims back.
-                owner: format!("dedup-{}", Token::generate().as_str()),
+        let sink = match backend.embedded() {
+            Some(store) => Sink::KeySet(store.clone()),
+            None => Sink::Gate {
+                backend: backend.clone(),
+                write: match mode {
+                    LedgerMode::Retriable => LedgerWrite::Claim {
+                        lease_ms: LEDGER_LEASE_MS,
+                        // Claims of this run name this owner, so a retried call gets its own
+                        // claims back.
+                        owner: format!("dedup-{}", Token::generate().as_str()),
+                    },
+                    LedgerMode::AtMostOnce => LedgerWrite::Mark,
+                },
             },
-            LedgerMode::AtMostOnce => LedgerWrite::Mark,
         };
         Self {
-            backend: backend.clone(),
+            sink,
+            describe: backend.describe(),
             namespace: namespace.to_owned(),
             ttl_ms,
             mode,
-            write,
             rt,
             batch_records,
             // Keys of one batch must be distinct (a second claim by the same owner would be
@@ -159,6 +205,7 @@ impl<'a> Ledger<'a> {
             spare: Batch::default(),
             in_flight: None,
             to_complete: Vec::new(),
+            to_record: Vec::new(),
         }
     }
 
@@ -169,21 +216,27 @@ impl<'a> Ledger<'a> {
             .first_sighting(crate::commands::pipeline::keyspec::short(digest))
     }
 
-    /// Adds a record under ledger key `key`: `encode` appends its output bytes. Sends the batch
-    /// when it is full.
+    /// Adds a record whose key has digest `digest` and ledger key `key()` (asked only by a
+    /// gate ledger): `encode` appends its output bytes. Sends the batch when it is full.
     pub fn push(
         &mut self,
-        key: String,
+        digest: &[u8; 32],
+        key: impl FnOnce() -> String,
         encode: impl FnOnce(&mut Vec<u8>) -> anyhow::Result<()>,
         counts: &mut Counts,
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
         encode(&mut self.batch.bytes)?;
-        self.batch.keys.push(key);
+        match self.sink {
+            Sink::Gate { .. } => self.batch.keys.push(key()),
+            Sink::KeySet(_) => {
+                let mut id = KeyId::default();
+                id.copy_from_slice(&digest[..std::mem::size_of::<KeyId>()]);
+                self.batch.ids.push(id);
+            }
+        }
         self.batch.ends.push(self.batch.bytes.len());
-        if self.batch.keys.len() >= self.batch_records
-            || self.batch.bytes.len() >= LEDGER_BATCH_BYTES
-        {
+        if self.batch.len() >= self.batch_records || self.batch.bytes.len() >= LEDGER_BATCH_BYTES {
             self.send(counts, out)?;
         }
         Ok(())
@@ -192,28 +245,44 @@ impl<'a> Ledger<'a> {
     /// Settles the call in flight, then sends the current batch with the completions due.
     fn send(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
         self.settle(counts, out)?;
-        if self.batch.keys.is_empty() && self.to_complete.is_empty() {
+        if self.batch.len() == 0 && self.to_complete.is_empty() && self.to_record.is_empty() {
             return Ok(());
         }
         let mut batch = std::mem::take(&mut self.spare);
         batch.clear();
         std::mem::swap(&mut batch, &mut self.batch);
-        let sent = Sent {
-            batch,
-            completes: std::mem::take(&mut self.to_complete),
-        };
-        let (backend, ns, ttl_ms, write) = (
-            self.backend.clone(),
-            self.namespace.clone(),
-            self.ttl_ms,
-            self.write.clone(),
-        );
-        self.in_flight = Some(self.rt.spawn(async move {
-            let answers = backend
-                .ledger_call(&ns, &sent.completes, &sent.batch.keys, ttl_ms, &write)
-                .await;
-            (sent, answers)
-        }));
+        let (ns, ttl_ms) = (self.namespace.clone(), self.ttl_ms);
+        self.in_flight = Some(match &self.sink {
+            Sink::Gate { backend, write } => {
+                let sent = Sent {
+                    batch,
+                    completes: std::mem::take(&mut self.to_complete),
+                    recorded: 0,
+                };
+                let (backend, write) = (backend.clone(), write.clone());
+                self.rt.spawn(async move {
+                    let answers = backend
+                        .ledger_call(&ns, &sent.completes, &sent.batch.keys, ttl_ms, &write)
+                        .await;
+                    (sent, answers)
+                })
+            }
+            Sink::KeySet(store) => {
+                let record = std::mem::take(&mut self.to_record);
+                let sent = Sent {
+                    batch,
+                    completes: Vec::new(),
+                    recorded: record.len(),
+                };
+                let record_new = self.mode == LedgerMode::AtMostOnce;
+                let store = store.clone();
+                self.rt.spawn(async move {
+                    let answers =
+                        key_set_call(&store, ns, record, &sent.batch.ids, ttl_ms, record_new).await;
+                    (sent, answers)
+                })
+            }
+        });
         Ok(())
     }
 
@@ -226,19 +295,26 @@ impl<'a> Ledger<'a> {
             .rt
             .block_on(handle)
             .map_err(|e| anyhow!("ledger call failed: {e}"))?;
-        let describe = || format!("ledger {}", self.backend.describe());
-        let unrecorded = || {
-            format!(
+        let describe = || format!("ledger {}", self.describe);
+        let unrecorded = || match self.sink {
+            Sink::Gate { .. } => format!(
                 "{}: {} records were written but not recorded; they will be emitted again by \
                  a run after the {}s lease",
                 describe(),
                 sent.completes.len(),
                 LEDGER_LEASE_MS / 1000
-            )
+            ),
+            Sink::KeySet(_) => format!(
+                "{}: {} records were written but not recorded; the next run will emit them again",
+                describe(),
+                sent.recorded
+            ),
         };
         let answers = match answers {
             Ok(a) => a,
-            Err(e) if sent.completes.is_empty() => return Err(e.context(describe())),
+            Err(e) if sent.completes.is_empty() && sent.recorded == 0 => {
+                return Err(e.context(describe()))
+            }
             Err(e) => return Err(e.context(unrecorded())),
         };
         if let Some(reason) = answers.completed.iter().find_map(|a| a.as_ref().err()) {
@@ -256,8 +332,10 @@ impl<'a> Ledger<'a> {
                     _ => None,
                 })
                 .collect();
-            self.rt
-                .block_on(self.backend.release_batch(&self.namespace, &claimed));
+            if let Sink::Gate { backend, .. } = &self.sink {
+                self.rt
+                    .block_on(backend.release_batch(&self.namespace, &claimed));
+            }
             return Err(e.context(unrecorded()));
         }
         let mut failure: Option<anyhow::Error> = None;
@@ -280,12 +358,17 @@ impl<'a> Ledger<'a> {
                     if let Some(token) = token {
                         self.to_complete
                             .push((sent.batch.keys[i].clone(), token.clone()));
+                    } else if matches!(self.sink, Sink::KeySet(_))
+                        && self.mode == LedgerMode::Retriable
+                    {
+                        self.to_record.push(sent.batch.ids[i]);
                     }
                 }
                 Ok(_) => counts.duplicates += 1,
                 Err(reason) => {
-                    failure.get_or_insert_with(|| {
-                        anyhow!("ledger refused key {:?}: {reason}", sent.batch.keys[i])
+                    failure.get_or_insert_with(|| match sent.batch.keys.get(i) {
+                        Some(key) => anyhow!("ledger refused key {key:?}: {reason}"),
+                        None => anyhow!("ledger refused a key: {reason}"),
                     });
                 }
             }
@@ -305,15 +388,20 @@ impl<'a> Ledger<'a> {
         };
         match self.mode {
             LedgerMode::Retriable => {
-                // Nothing of this batch counts as emitted: give its keys back at once.
+                // Nothing of this batch counts as emitted: give its keys back at once (a key
+                // set has recorded none of them yet).
+                self.to_record.clear();
                 let claimed = std::mem::take(&mut self.to_complete);
-                self.rt
-                    .block_on(self.backend.release_batch(&self.namespace, &claimed));
+                if let Sink::Gate { backend, .. } = &self.sink {
+                    self.rt
+                        .block_on(backend.release_batch(&self.namespace, &claimed));
+                }
                 Err(e)
             }
             LedgerMode::AtMostOnce => Err(e.context(format!(
-                "at-most-once ledger: {unwritten} marked records were not written and will not \
-                 be emitted by a later run (use forget, or the default retriable mode)"
+                "at-most-once ledger: {unwritten} recorded records were not written and will \
+                 not be emitted by a later run within the ttl (the default retriable mode \
+                 records only what was written)"
             ))),
         }
     }
@@ -322,7 +410,7 @@ impl<'a> Ledger<'a> {
     pub fn finish(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
         self.send(counts, out)?;
         self.settle(counts, out)?;
-        if !self.to_complete.is_empty() {
+        if !self.to_complete.is_empty() || !self.to_record.is_empty() {
             self.send(counts, out)?;
             self.settle(counts, out)?;
         }
@@ -335,4 +423,38 @@ impl<'a> Ledger<'a> {
         self.batch.clear();
         self.finish(counts, out)
     }
+}
+
+/// One key-set call, answered like a gate ledger call (no completions: recording is a put).
+async fn key_set_call(
+    store: &EmbeddedStore,
+    namespace: String,
+    record: Vec<KeyId>,
+    check: &[KeyId],
+    ttl_ms: u64,
+    record_new: bool,
+) -> anyhow::Result<LedgerAnswers> {
+    let call = KeySetCall {
+        namespace: Namespace::new(namespace)?,
+        record,
+        check: check.to_vec(),
+        record_new,
+        ttl_ms,
+    };
+    let fresh = store
+        .key_set(call)
+        .await?
+        .into_iter()
+        .map(|new| {
+            Ok(if new {
+                Fresh::New(None)
+            } else {
+                Fresh::Duplicate
+            })
+        })
+        .collect();
+    Ok(LedgerAnswers {
+        completed: Vec::new(),
+        fresh,
+    })
 }

@@ -16,6 +16,7 @@ use dedupgate_core::{
 };
 use serde_json::{json, Value};
 
+use dedupgate_embedded::EmbeddedStore;
 use dedupgate_stores::{self as store_spec, StoreSpec};
 
 /// How long an open waits for another process to let go of an embedded store directory.
@@ -32,6 +33,8 @@ pub enum Backend {
         spec: StoreSpec,
         /// The open store, unless it is opened per operation.
         gate: Option<Gate>,
+        /// The same store when it is an embedded one held open (for its key set).
+        embedded: Option<Arc<EmbeddedStore>>,
         /// Longest wait for a locked directory.
         lock_wait_ms: u64,
     },
@@ -39,11 +42,20 @@ pub enum Backend {
     Remote(Client),
 }
 
-async fn open_waiting(spec: &StoreSpec, lock_wait_ms: u64) -> anyhow::Result<Arc<dyn Store>> {
+/// An open store, and the same store as itself when it is an embedded one.
+type Opened = (Arc<dyn Store>, Option<Arc<EmbeddedStore>>);
+
+async fn open_waiting(spec: &StoreSpec, lock_wait_ms: u64) -> anyhow::Result<Opened> {
     let started = Instant::now();
     loop {
-        match store_spec::open(spec).await {
-            Ok(store) => return Ok(store),
+        let opened = match spec {
+            StoreSpec::Embedded(dir) => store_spec::open_embedded(dir)
+                .await
+                .map(|s| (s.clone() as Arc<dyn Store>, Some(s))),
+            _ => store_spec::open(spec).await.map(|s| (s, None)),
+        };
+        match opened {
+            Ok(opened) => return Ok(opened),
             Err(e) if e.is_locked() && started.elapsed().as_millis() < u128::from(lock_wait_ms) => {
                 tokio::time::sleep(Duration::from_millis(LOCK_RETRY_MS)).await;
             }
@@ -78,10 +90,11 @@ impl Backend {
             ));
         }
         let spec = spec.unwrap_or_default();
-        let store = open_waiting(&spec, lock_wait_ms).await?;
+        let (store, embedded) = open_waiting(&spec, lock_wait_ms).await?;
         Ok(Backend::Local {
             spec,
             gate: Some(Gate::from_arc(store)),
+            embedded,
             lock_wait_ms,
         })
     }
@@ -100,6 +113,7 @@ impl Backend {
             return Ok(Backend::Local {
                 spec: spec_or_default,
                 gate: None,
+                embedded: None,
                 lock_wait_ms,
             });
         }
@@ -116,8 +130,17 @@ impl Backend {
                 spec,
                 gate: None,
                 lock_wait_ms,
-            } => Ok(Gate::from_arc(open_waiting(spec, *lock_wait_ms).await?)),
+                ..
+            } => Ok(Gate::from_arc(open_waiting(spec, *lock_wait_ms).await?.0)),
             Backend::Remote(_) => Err(anyhow!("no local gate for a server backend")),
+        }
+    }
+
+    /// The embedded store this backend holds open, if it is one.
+    pub fn embedded(&self) -> Option<&Arc<EmbeddedStore>> {
+        match self {
+            Backend::Local { embedded, .. } => embedded.as_ref(),
+            Backend::Remote(_) => None,
         }
     }
 

@@ -1,0 +1,198 @@
+//! The key set of `dedup --ledger` (`EmbeddedStore::key_set`): both orders, expiry on the
+//! store's clock, namespaces, repeats within a call, what survives a reopen, the sweeper, and
+//! refusals that change nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dedupgate_core::{GateError, ManualClock, Namespace, Store};
+use dedupgate_embedded::keyset::KeyId;
+use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore, KeySetCall};
+
+const TTL_MS: u64 = 10_000;
+
+fn id(i: u32) -> KeyId {
+    let mut k = [0u8; 16];
+    k[..4].copy_from_slice(&i.to_be_bytes());
+    k[4..8].copy_from_slice(&i.wrapping_mul(2_654_435_761).to_le_bytes());
+    k
+}
+
+fn ids(range: std::ops::Range<u32>) -> Vec<KeyId> {
+    range.map(id).collect()
+}
+
+fn call(ns: &str, record: Vec<KeyId>, check: Vec<KeyId>, record_new: bool) -> KeySetCall {
+    KeySetCall {
+        namespace: Namespace::new(ns).unwrap(),
+        record,
+        check,
+        record_new,
+        ttl_ms: TTL_MS,
+    }
+}
+
+fn open(dir: &std::path::Path, clock: &ManualClock) -> EmbeddedStore {
+    let options = EmbeddedOptions {
+        clock: Some(Arc::new(clock.clone())),
+        ..EmbeddedOptions::default()
+    };
+    EmbeddedStore::open(dir, options).unwrap()
+}
+
+#[tokio::test]
+async fn record_new_stores_new_keys_in_the_same_call_and_they_survive_a_reopen() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let store = open(tmp.path(), &clock);
+    let first = store.key_set(call("p", vec![], ids(0..100), true)).await;
+    assert_eq!(first.unwrap(), vec![true; 100]);
+    // Half known, half new.
+    let again = store
+        .key_set(call("p", vec![], ids(50..150), true))
+        .await
+        .unwrap();
+    assert_eq!(again[..50], [false; 50]);
+    assert_eq!(again[50..], [true; 50]);
+    drop(store);
+    let store = open(tmp.path(), &clock);
+    let after = store
+        .key_set(call("p", vec![], ids(0..160), true))
+        .await
+        .unwrap();
+    assert_eq!(
+        after[..150],
+        [false; 150],
+        "every acknowledged key survived"
+    );
+    assert_eq!(after[150..], [true; 10]);
+}
+
+#[tokio::test]
+async fn check_alone_stores_nothing_until_the_keys_are_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let store = open(tmp.path(), &clock);
+    let batch = ids(0..10);
+    for _ in 0..2 {
+        let answers = store
+            .key_set(call("p", vec![], batch.clone(), false))
+            .await
+            .unwrap();
+        assert_eq!(answers, vec![true; 10], "nothing was recorded yet");
+    }
+    // The next call records the emitted batch, then checks a new one that overlaps it.
+    let answers = store
+        .key_set(call("p", batch.clone(), ids(5..15), false))
+        .await
+        .unwrap();
+    assert_eq!(answers[..5], [false; 5]);
+    assert_eq!(answers[5..], [true; 5]);
+    drop(store);
+    let store = open(tmp.path(), &clock);
+    let answers = store
+        .key_set(call("p", vec![], ids(0..15), false))
+        .await
+        .unwrap();
+    assert_eq!(answers[..10], [false; 10]);
+    assert_eq!(answers[10..], [true; 5]);
+}
+
+#[tokio::test]
+async fn a_repeat_within_one_call_is_new_once_and_namespaces_are_apart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let store = open(tmp.path(), &clock);
+    for record_new in [false, true] {
+        let ns = if record_new { "b" } else { "a" };
+        let answers = store
+            .key_set(call(
+                ns,
+                vec![],
+                vec![id(1), id(2), id(1), id(1)],
+                record_new,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(
+            answers,
+            vec![true, true, false, false],
+            "record_new {record_new}"
+        );
+    }
+    let other = store
+        .key_set(call("c", vec![], vec![id(1)], true))
+        .await
+        .unwrap();
+    assert_eq!(other, vec![true], "another namespace has its own keys");
+}
+
+#[tokio::test]
+async fn keys_expire_on_the_stores_clock_and_the_sweeper_removes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let options = EmbeddedOptions {
+        clock: Some(Arc::new(clock.clone())),
+        sweep_interval_ms: 20,
+        sweep_batch_max: 64,
+        ..EmbeddedOptions::default()
+    };
+    let store = EmbeddedStore::open(tmp.path(), options).unwrap();
+    store
+        .key_set(call("p", vec![], ids(0..500), true))
+        .await
+        .unwrap();
+    clock.advance(TTL_MS / 2);
+    let keeper = store
+        .key_set(call("p", vec![], ids(500..501), true))
+        .await
+        .unwrap();
+    assert_eq!(keeper, vec![true]);
+    clock.advance(TTL_MS / 2 - 1);
+    let live = store
+        .key_set(call("p", vec![], ids(0..1), false))
+        .await
+        .unwrap();
+    assert_eq!(
+        live,
+        vec![false],
+        "one ms before its ttl a key is still known"
+    );
+    clock.advance(1);
+    // The background sweeper walks the set in steps of 64 and removes the 500 expired keys.
+    let mut swept = 0;
+    for _ in 0..500 {
+        swept = store.stats().await.unwrap().swept_total.unwrap();
+        if swept >= 500 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(swept, 500, "every expired key swept, the live one kept");
+    let answers = store
+        .key_set(call("p", vec![], ids(0..501), false))
+        .await
+        .unwrap();
+    assert_eq!(answers[..500], [true; 500], "expired keys are new again");
+    assert!(!answers[500], "the keeper is still known");
+}
+
+#[tokio::test]
+async fn a_bad_ttl_is_refused_and_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let store = open(tmp.path(), &clock);
+    let before = store.commits_total();
+    for ttl_ms in [0, u64::MAX] {
+        let mut c = call("p", ids(0..3), ids(3..6), true);
+        c.ttl_ms = ttl_ms;
+        let err = store.key_set(c).await.unwrap_err();
+        assert!(matches!(err, GateError::Invalid(_)), "{err:?}");
+    }
+    assert_eq!(store.commits_total(), before);
+    let answers = store
+        .key_set(call("p", vec![], ids(0..6), false))
+        .await
+        .unwrap();
+    assert_eq!(answers, vec![true; 6]);
+}
