@@ -6,12 +6,12 @@
 //!
 //! Ledger protocol ([`ledger`]): a key this run saw within its window of recent keys is a
 //! duplicate without asking the ledger; the others go to the ledger in batches, one call per
-//! batch in flight while the next batch is keyed. Retriable mode (default): claim the batch's
-//! keys, write the records whose claim is new, flush the output, and complete those claims
-//! with the next call. A run that dies between the claim and the complete leaves leases that
-//! expire after [`ledger::LEDGER_LEASE_MS`], so the next run emits those records again instead
-//! of losing them (its output is presumably redone too); a run that fails to write releases its
-//! claims at once. At-most-once mode marks the keys, then writes the new records.
+//! batch in flight while the next batch is keyed. Retriable mode (default): write and flush the
+//! records the ledger found new, and only then record their keys (an embedded store's key set:
+//! in the next call; a gate: claims made first, completed in the next call, with leases that
+//! expire after [`ledger::LEDGER_LEASE_MS`]), so a run that dies in between makes the next run
+//! emit those records again instead of losing them (its output is presumably redone too).
+//! At-most-once mode records the keys first, then writes the new records.
 //!
 //! Exit codes: 0 done; 1 failed (bad input without `--rejects`, I/O, the ledger); 2 bad usage.
 
@@ -48,11 +48,11 @@ pub enum Keep {
 /// How the ledger records keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LedgerMode {
-    /// Claim, write, complete: a run that dies before completing lets the next run emit those
-    /// records again (nothing is lost). Two ledger writes per new key.
+    /// Write, then record (a gate ledger: claim, write, complete): a run that dies before
+    /// recording lets the next run emit those records again (nothing is lost).
     Retriable,
-    /// Mark, then write: one ledger write per new key, but a run that dies between the two
-    /// loses up to one batch of records for good.
+    /// Record (mark), then write: a gate ledger makes one write per new key instead of two,
+    /// but a run that dies between the two loses up to one batch of records for good.
     AtMostOnce,
 }
 
@@ -85,8 +85,8 @@ pub struct DedupArgs {
     /// How long the ledger remembers a key (500ms, 30s, 5m, 24h, 7d).
     #[arg(long, default_value = "24h", value_name = "D")]
     ttl: String,
-    /// How the ledger records keys: retriable (claim, write, complete) or at-most-once (mark,
-    /// write; half the ledger writes, but a crash can lose the last batch).
+    /// How the ledger records keys: retriable (write, then record: a crash makes the next run
+    /// emit the last batch again) or at-most-once (record, then write: a crash can lose it).
     #[arg(long, value_enum, default_value_t = LedgerMode::Retriable)]
     ledger_mode: LedgerMode,
     /// Ledger namespace.
