@@ -45,31 +45,38 @@ enum Conn {
 }
 
 impl Conn {
-    /// Sends `pipe` (`count` replies), whose commands all touch keys of the slot of `slot_key`.
+    /// Sends `pipe` (`count` replies), whose commands all touch keys of one slot; `guard` is one
+    /// of those keys when more than one command of the pipeline touches keys.
     ///
-    /// On a cluster the pipeline goes first with a read of `slot_key` (`EXISTS`, its reply
+    /// On a cluster such a pipeline goes first with a read of `guard` (`EXISTS`, its reply
     /// dropped). While a slot migrates, its source node answers `ASK` for keys it does not
     /// hold, and the client then sends the whole pipeline to the target behind a single
     /// `ASKING`, which admits only the pipeline's first command there (the rest are refused
     /// with `MOVED`, and the batch is answered "unavailable", safe to retry). Without the read,
     /// that first command was a write that ran on the target for a key the source still held:
     /// a second, stray copy of a live record, which later broke the slot's `MIGRATE` with
-    /// `BUSYKEY` (`tests/resharding.rs`).
+    /// `BUSYKEY` (`tests/resharding.rs`). A pipeline with one key command needs no read: that
+    /// command got `ASK` only if the source does not hold its keys, so it belongs on the target.
     async fn pipeline(
         &self,
         pipe: &Pipeline,
         count: usize,
-        slot_key: &[u8],
+        guard: Option<&[u8]>,
     ) -> redis::RedisResult<Vec<Value>> {
         match self {
             Conn::Single(c) => c.clone().req_packed_commands(pipe, 0, count).await,
             Conn::Cluster(h) => {
-                let mut guarded = Pipeline::with_capacity(count + 1);
-                guarded.cmd("EXISTS").arg(slot_key);
-                for cmd in pipe.cmd_iter() {
-                    guarded.add_command(cmd.clone());
-                }
-                let r = h.current().req_packed_commands(&guarded, 1, count).await;
+                let r = match guard {
+                    Some(key) => {
+                        let mut guarded = Pipeline::with_capacity(count + 1);
+                        guarded.cmd("EXISTS").arg(key);
+                        for cmd in pipe.cmd_iter() {
+                            guarded.add_command(cmd.clone());
+                        }
+                        h.current().req_packed_commands(&guarded, 1, count).await
+                    }
+                    None => h.current().req_packed_commands(pipe, 0, count).await,
+                };
                 if r.is_err() {
                     h.failed();
                 }
@@ -407,13 +414,14 @@ impl Inner {
         cmd
     }
 
-    /// Sends one pipeline of script calls (all in one slot on a cluster), reloading the script
-    /// once if the server lost it, then `WAIT`s if asked. One answer per call.
+    /// Sends one pipeline of script calls (all in one slot on a cluster, `guard` one of their
+    /// keys: see [`Conn::pipeline`]), reloading the script once if the server lost it, then
+    /// `WAIT`s if asked. One answer per call.
     async fn send(
         &self,
         calls: Vec<Cmd>,
         writes: bool,
-        slot_key: &[u8],
+        guard: &[u8],
     ) -> Vec<Result<Value, StoreError>> {
         let wait = writes && self.opts.wait_replicas > 0;
         let n = calls.len();
@@ -435,7 +443,8 @@ impl Inner {
                     .arg(self.opts.wait_timeout_ms);
             }
             let count = skip + pending.len() + usize::from(wait);
-            let values = match self.conn.pipeline(&pipe, count, slot_key).await {
+            let guard = (pending.len() > 1).then_some(guard);
+            let values = match self.conn.pipeline(&pipe, count, guard).await {
                 Ok(values) if values.len() == count => values,
                 Ok(values) => {
                     let why = format!(
@@ -494,8 +503,8 @@ impl Inner {
         let writes = group.iter().any(|p| p.op.writes());
         let chunks: Vec<&[Prepared]> = group.chunks(self.opts.script_ops_max).collect();
         let calls: Vec<Cmd> = chunks.iter().map(|chunk| self.eval_cmd(chunk)).collect();
-        let slot_key = group.first().map_or(&[][..], |p| &p.keys.record[..]);
-        let answers = self.send(calls, writes, slot_key).await;
+        let guard = group.first().map_or(&[][..], |p| &p.keys.record[..]);
+        let answers = self.send(calls, writes, guard).await;
         let mut out = Vec::with_capacity(group.len());
         for (chunk, answer) in chunks.into_iter().zip(answers) {
             match answer.and_then(|v| match v {
@@ -807,7 +816,8 @@ impl Inner {
                     })
                     .collect()
             };
-        let values = match self.conn.pipeline(&pipe, count, &sent[0].keys.record).await {
+        let guard = (sent.len() > 1).then_some(&sent[0].keys.record[..]);
+        let values = match self.conn.pipeline(&pipe, count, guard).await {
             Ok(values) if values.len() == count => values,
             Ok(values) => {
                 let why = format!(
