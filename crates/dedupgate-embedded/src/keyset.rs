@@ -8,18 +8,21 @@
 //! sweeper walks the set in key order, a bounded step per sweep (see [`sweep_step`]).
 //!
 //! The set lives beside the gate's records in the same directory, under the same lock, writer
-//! and fsync rules: a [`KeySetCall`] is one transaction and one fdatasync, answered only after
-//! it. It is a separate set: `get`/`forget` do not see it, and a key-set member never answers a
-//! gate claim.
+//! and fsync rules: a [`KeySetCall`] that writes is one transaction and one fdatasync, answered
+//! only after it. It is a separate set: `get`/`forget` do not see it, and a key-set member never
+//! answers a gate claim. The other way round, a call may name each checked key's gate record
+//! ([`KeySetCall::gate_keys`]): a key the set does not hold is still known while that record is
+//! live (completed, or in progress under a live lease), so a ledger kept as gate records (by a
+//! build before the key set, or by runs through a server) keeps counting.
 //!
 //! Encoding (part of [`crate::FORMAT_VERSION`]): member key = 16 id bytes, then the namespace's
 //! bytes (random bytes first, so the engine's comparisons end early); value = a version byte
 //! ([`MEMBER_ENCODING_V1`]), then the expiry instant as u64 big-endian unix ms.
 
 use dedupgate_core::op::DURATION_MS_MAX;
-use dedupgate_core::{GateError, InvalidInput, Namespace};
+use dedupgate_core::{EntryState, GateError, InvalidInput, Namespace, RecordId};
 
-use crate::codec::DecodeError;
+use crate::codec::{decode_entry, encode_id, DecodeError};
 use crate::engine::{EngineError, Txn};
 
 /// Bytes that name a key in the set: the caller's digest of the key (a SHA-256 prefix).
@@ -45,6 +48,9 @@ pub struct KeySetCall {
     pub check: Vec<KeyId>,
     /// Whether a key of `check` found new is stored too.
     pub record_new: bool,
+    /// Empty, or the gate key of each key of `check` (in [`KeySetCall::namespace`]): a key
+    /// found new in the set is known after all while its gate record is live.
+    pub gate_keys: Vec<String>,
     /// How long stored keys are remembered (1 ms to [`DURATION_MS_MAX`]).
     pub ttl_ms: u64,
 }
@@ -52,6 +58,17 @@ pub struct KeySetCall {
 impl KeySetCall {
     /// Refuses a ttl out of range; changes nothing.
     pub fn validate(&self) -> Result<(), GateError> {
+        if !self.gate_keys.is_empty() && self.gate_keys.len() != self.check.len() {
+            return Err(InvalidInput::new(
+                "gate_keys",
+                format!(
+                    "{} gate keys for {} keys to check",
+                    self.gate_keys.len(),
+                    self.check.len()
+                ),
+            )
+            .into());
+        }
         if self.ttl_ms == 0 || self.ttl_ms > DURATION_MS_MAX {
             return Err(InvalidInput::new(
                 "ttl_ms",
@@ -135,6 +152,14 @@ pub(crate) fn apply(
         } else {
             true
         };
+        if answers[i] {
+            if let Some(gate_key) = call.gate_keys.get(i) {
+                match gate_record_holds(txn, &call.namespace, gate_key, now_ms, &mut key)? {
+                    Ok(held) => answers[i] = !held,
+                    Err(e) => return Ok(Err(e)),
+                }
+            }
+        }
     }
     let mut wrote = false;
     for id in &call.record {
@@ -152,6 +177,39 @@ pub(crate) fn apply(
         }
     }
     Ok(Ok(wrote))
+}
+
+/// Whether the gate record of `gate_key` is live and would make a claim of it a duplicate
+/// (completed, or in progress under a live lease). A key no gate record can have is not held;
+/// an undecodable record is [`Unreadable`], never "absent".
+fn gate_record_holds(
+    txn: &mut dyn Txn,
+    namespace: &Namespace,
+    gate_key: &str,
+    now_ms: u64,
+    buf: &mut Vec<u8>,
+) -> Result<Result<bool, Unreadable>, EngineError> {
+    let Ok(id) = RecordId::new(namespace.as_str(), gate_key) else {
+        return Ok(Ok(false));
+    };
+    encode_id(&id, buf);
+    let mut value = Vec::new();
+    if !txn.get(buf, &mut value)? {
+        return Ok(Ok(false));
+    }
+    let entry = match decode_entry(&value) {
+        Ok(e) => e,
+        Err(e) => {
+            let ns = namespace.as_str();
+            return Ok(Err(Unreadable(format!("{ns} / {gate_key:?}: {e}"))));
+        }
+    };
+    Ok(Ok(entry.is_live(now_ms)
+        && match entry.state {
+            EntryState::Completed => true,
+            EntryState::InProgress => entry.lease_expires_at_ms.is_some_and(|l| now_ms < l),
+            EntryState::Released => false,
+        }))
 }
 
 /// One bounded step of the sweeper's walk through the set: examines up to `max` members after

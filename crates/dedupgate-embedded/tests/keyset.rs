@@ -28,6 +28,7 @@ fn call(ns: &str, record: Vec<KeyId>, check: Vec<KeyId>, record_new: bool) -> Ke
         record,
         check,
         record_new,
+        gate_keys: Vec::new(),
         ttl_ms: TTL_MS,
     }
 }
@@ -195,4 +196,52 @@ async fn a_bad_ttl_is_refused_and_changes_nothing() {
         .await
         .unwrap();
     assert_eq!(answers, vec![true; 6]);
+}
+
+#[tokio::test]
+async fn live_gate_records_of_the_namespace_count_as_known_keys() {
+    use dedupgate_core::{Claim, Op, Outcome, RecordId};
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let store = open(tmp.path(), &clock);
+    let rid = |k: &str| RecordId::new("p", k).unwrap();
+    // A ledger kept as gate records: a mark (completed) and claims (in progress).
+    let mark = Op::Mark {
+        ttl_ms: TTL_MS,
+        fingerprint: None,
+        result: None,
+    };
+    let claim = |lease_ms| Op::Claim {
+        ttl_ms: TTL_MS,
+        lease_ms,
+        fingerprint: None,
+        owner: None,
+    };
+    store.apply(rid("marked"), mark).await.unwrap();
+    store.apply(rid("held"), claim(TTL_MS)).await.unwrap();
+    let Outcome::Claimed(Claim::New(lease)) =
+        store.apply(rid("released"), claim(TTL_MS)).await.unwrap()
+    else {
+        panic!("a new claim")
+    };
+    let release = Op::Release {
+        token: lease.token.clone(),
+    };
+    store.apply(rid("released"), release).await.unwrap();
+    store.apply(rid("lapsed"), claim(100)).await.unwrap();
+    clock.advance(100);
+    let names = ["marked", "held", "released", "lapsed", "never"];
+    let mut c = call("p", vec![], ids(0..5), false);
+    c.gate_keys = names.iter().map(|n| n.to_string()).collect();
+    let answers = store.key_set(c.clone()).await.unwrap();
+    assert_eq!(answers, vec![false, false, true, true, true], "{names:?}");
+    // Another namespace's records do not count; nor do records after their ttl.
+    let mut other = c.clone();
+    other.namespace = Namespace::new("q").unwrap();
+    assert_eq!(store.key_set(other).await.unwrap(), vec![true; 5]);
+    clock.advance(TTL_MS);
+    assert_eq!(store.key_set(c.clone()).await.unwrap(), vec![true; 5]);
+    // A mismatched list is refused.
+    c.gate_keys.pop();
+    assert!(matches!(store.key_set(c).await, Err(GateError::Invalid(_))));
 }

@@ -925,3 +925,45 @@ fn a_ledger_run_killed_with_sigkill_is_finished_by_its_rerun() {
         }
     }
 }
+
+/// A ledger kept as gate records (by a build before the embedded key set, or by runs through a
+/// server on the same directory) still counts when a run opens the directory itself: keys
+/// with a live completed record, or a claim under a live lease, are not emitted again.
+#[test]
+fn gate_records_of_the_ledger_namespace_still_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let input = write(dir.path(), "e.jsonl", &events(0..30));
+    let ids = dg()
+        .args(["id", "--key-fields", "event_id", "--print"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    let ids: Vec<String> = out(&ids).lines().map(str::to_owned).collect();
+    assert_eq!(ids.len(), 30);
+    for (i, id) in ids[..20].iter().enumerate() {
+        let verb = if i < 10 { "mark" } else { "claim" };
+        let mut cmd = dg();
+        cmd.args([verb, "--store", &store, "-n", &ns, "-k", id, "--ttl", "1h"]);
+        if verb == "claim" {
+            cmd.args(["--lease", "1h"]);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{verb}: {}", err(&o));
+    }
+    for mode in ["retriable", "at-most-once"] {
+        let ns_run = dg()
+            .args(["dedup", "--key-fields", "event_id", "--ledger-mode", mode])
+            .args(["--ledger", &store, "--namespace", &ns])
+            .arg(&input)
+            .output()
+            .unwrap();
+        assert!(ns_run.status.success(), "{}", err(&ns_run));
+        let expected = if mode == "retriable" {
+            events(20..30)
+        } else {
+            String::new() // the retriable run recorded 20..30
+        };
+        assert_eq!(out(&ns_run), expected, "{mode}");
+    }
+}

@@ -94,8 +94,9 @@ impl Window {
 /// Records waiting for one ledger call, back to back.
 #[derive(Default)]
 struct Batch {
-    /// Each record's key: its text for a gate ledger, its id for a key set.
+    /// Each record's gate key (the ledger key of a gate ledger)...
     keys: Vec<String>,
+    /// ...and, for a key set, its id.
     ids: Vec<KeyId>,
     bytes: Vec<u8>,
     /// End of each record in `bytes`.
@@ -227,13 +228,12 @@ impl<'a> Ledger<'a> {
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
         encode(&mut self.batch.bytes)?;
-        match self.sink {
-            Sink::Gate { .. } => self.batch.keys.push(key()),
-            Sink::KeySet(_) => {
-                let mut id = KeyId::default();
-                id.copy_from_slice(&digest[..std::mem::size_of::<KeyId>()]);
-                self.batch.ids.push(id);
-            }
+        // A key set also gets each key's gate key: a ledger kept as gate records still counts.
+        self.batch.keys.push(key());
+        if let Sink::KeySet(_) = self.sink {
+            let mut id = KeyId::default();
+            id.copy_from_slice(&digest[..std::mem::size_of::<KeyId>()]);
+            self.batch.ids.push(id);
         }
         self.batch.ends.push(self.batch.bytes.len());
         if self.batch.len() >= self.batch_records || self.batch.bytes.len() >= LEDGER_BATCH_BYTES {
@@ -277,8 +277,15 @@ impl<'a> Ledger<'a> {
                 let record_new = self.mode == LedgerMode::AtMostOnce;
                 let store = store.clone();
                 self.rt.spawn(async move {
-                    let answers =
-                        key_set_call(&store, ns, record, &sent.batch.ids, ttl_ms, record_new).await;
+                    let answers = key_set_call(
+                        &store,
+                        ns,
+                        record,
+                        (&sent.batch.ids, &sent.batch.keys),
+                        ttl_ms,
+                        record_new,
+                    )
+                    .await;
                     (sent, answers)
                 })
             }
@@ -366,9 +373,8 @@ impl<'a> Ledger<'a> {
                 }
                 Ok(_) => counts.duplicates += 1,
                 Err(reason) => {
-                    failure.get_or_insert_with(|| match sent.batch.keys.get(i) {
-                        Some(key) => anyhow!("ledger refused key {key:?}: {reason}"),
-                        None => anyhow!("ledger refused a key: {reason}"),
+                    failure.get_or_insert_with(|| {
+                        anyhow!("ledger refused key {:?}: {reason}", sent.batch.keys[i])
                     });
                 }
             }
@@ -430,7 +436,7 @@ async fn key_set_call(
     store: &EmbeddedStore,
     namespace: String,
     record: Vec<KeyId>,
-    check: &[KeyId],
+    (check, gate_keys): (&[KeyId], &[String]),
     ttl_ms: u64,
     record_new: bool,
 ) -> anyhow::Result<LedgerAnswers> {
@@ -439,6 +445,7 @@ async fn key_set_call(
         record,
         check: check.to_vec(),
         record_new,
+        gate_keys: gate_keys.to_vec(),
         ttl_ms,
     };
     let fresh = store
