@@ -53,7 +53,11 @@ pub enum OpenError {
         detail: String,
     },
     /// The store was written with a format this build does not read.
-    #[error("store {path} has format version {found}; this build reads version {supported} only")]
+    #[error(
+        "store {path} has format version {found}; this build reads version {supported} and \
+         migrates version {migrated}",
+        migrated = crate::FORMAT_VERSION_MIGRATED
+    )]
     UnknownFormat {
         /// The file.
         path: PathBuf,

@@ -47,9 +47,16 @@ pub use error::OpenError;
 pub use keyset::KeySetCall;
 pub use store::{EmbeddedOptions, EmbeddedStore};
 
-/// Format version of the store's layout (tables and encodings). A store written with another
-/// version is refused with [`OpenError::UnknownFormat`]; a future release may migrate instead.
-pub const FORMAT_VERSION: u64 = 2;
+/// Format version of the store's layout (tables and encodings). A store of
+/// [`FORMAT_VERSION_MIGRATED`] is migrated when opened; any other version is refused with
+/// [`OpenError::UnknownFormat`], changing nothing. Version 3 added the key set
+/// ([`keyset`]): a build that knows only version 2 would ignore it, so it must refuse the store.
+pub const FORMAT_VERSION: u64 = 3;
+/// The older format this build migrates at open (2: no key set). The migration creates the key
+/// set's empty partition and writes the new version (in the engine's meta, then in the format
+/// file); it rewrites no record, and a crash during it leaves a store that either version
+/// check accepts and the next open finishes migrating.
+pub const FORMAT_VERSION_MIGRATED: u64 = 2;
 /// The engine's directory inside the store directory: the `FORMAT` file and the fjall keyspace.
 pub const ENGINE_DIR_NAME: &str = "engine";
 /// The file in the engine directory that holds [`FORMAT_VERSION`] as text; read before anything

@@ -190,9 +190,21 @@ fn write_format_file(engine_dir: &Path) -> std::io::Result<()> {
     f.sync_all()
 }
 
+/// Replaces the format file of a migrated engine directory: written aside, fsync'd, renamed
+/// over the old one, and the directory fsync'd, so a crash leaves the old file or the new one.
+fn rewrite_format_file(engine_dir: &Path) -> std::io::Result<()> {
+    let aside = engine_dir.join(format!("{FORMAT_FILE_NAME}.new"));
+    let mut f = File::create(&aside)?;
+    std::io::Write::write_all(&mut f, format!("{}\n", crate::FORMAT_VERSION).as_bytes())?;
+    f.sync_all()?;
+    fs::rename(&aside, engine_dir.join(FORMAT_FILE_NAME))?;
+    File::open(engine_dir)?.sync_all()
+}
+
 /// Reads the format file before anything opens the engine, so an unknown format is refused
-/// without a byte changed.
-fn check_format_file(engine_dir: &Path) -> Result<(), OpenError> {
+/// without a byte changed. Returns the version found: [`crate::FORMAT_VERSION`], or
+/// [`crate::FORMAT_VERSION_MIGRATED`] for a store to migrate.
+fn check_format_file(engine_dir: &Path) -> Result<u64, OpenError> {
     let path = engine_dir.join(FORMAT_FILE_NAME);
     let text = match fs::read_to_string(&path) {
         Ok(t) => t,
@@ -211,7 +223,7 @@ fn check_format_file(engine_dir: &Path) -> Result<(), OpenError> {
         Err(e) => return Err(OpenError::io(&path, e)),
     };
     match text.trim().parse::<u64>() {
-        Ok(v) if v == crate::FORMAT_VERSION => Ok(()),
+        Ok(v) if v == crate::FORMAT_VERSION || v == crate::FORMAT_VERSION_MIGRATED => Ok(v),
         Ok(found) => Err(OpenError::UnknownFormat {
             path,
             found,
@@ -351,10 +363,23 @@ impl EmbeddedStore {
                 .and_then(|d| d.sync_all())
                 .map_err(|e| OpenError::io(dir, e))?;
         }
-        check_format_file(&db_path)?;
+        let file_version = check_format_file(&db_path)?;
         let mut engine = open_engine(&db_path).map_err(|e| engine_open_error(&db_path, e))?;
         let floor_ms = match check_format(engine.as_mut()) {
-            Ok(Ok(floor)) => floor,
+            Ok(Ok(floor)) => {
+                // The engine's meta says FORMAT_VERSION now (migrated if it was older): the
+                // format file follows.
+                if file_version != crate::FORMAT_VERSION {
+                    rewrite_format_file(&db_path).map_err(|e| OpenError::io(&db_path, e))?;
+                    tracing::info!(
+                        dir = %dir.display(),
+                        from = file_version,
+                        to = crate::FORMAT_VERSION,
+                        "embedded store format migrated"
+                    );
+                }
+                floor
+            }
             Ok(Err(FormatProblem::Unknown(found))) => {
                 return Err(OpenError::UnknownFormat {
                     path: db_path,

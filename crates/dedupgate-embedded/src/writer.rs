@@ -955,8 +955,9 @@ impl std::fmt::Display for FormatProblem {
         match self {
             FormatProblem::Unknown(v) => write!(
                 f,
-                "the store has format version {v}; this build reads version {} only",
-                crate::FORMAT_VERSION
+                "the store has format version {v}; this build reads version {} (and migrates {})",
+                crate::FORMAT_VERSION,
+                crate::FORMAT_VERSION_MIGRATED
             ),
             FormatProblem::Missing => {
                 f.write_str("entries exist but the store has no format version")
@@ -965,7 +966,9 @@ impl std::fmt::Display for FormatProblem {
     }
 }
 
-/// Checks (or, on a new store, writes) the format version. Returns the persisted clock floor.
+/// Checks (or, on a new store, writes) the format version, migrating
+/// [`crate::FORMAT_VERSION_MIGRATED`] (the engine already opened the key set's partition: only
+/// the version changes). Returns the persisted clock floor.
 pub(crate) fn check_format(
     engine: &mut dyn Engine,
 ) -> Result<Result<u64, FormatProblem>, EngineError> {
@@ -983,6 +986,11 @@ pub(crate) fn check_format(
         Some(v) if v == crate::FORMAT_VERSION => {
             outcome = Ok(txn.meta_get(META_CLOCK_MS)?.unwrap_or(0));
             Ok(false)
+        }
+        Some(v) if v == crate::FORMAT_VERSION_MIGRATED => {
+            txn.meta_put(META_FORMAT, crate::FORMAT_VERSION)?;
+            outcome = Ok(txn.meta_get(META_CLOCK_MS)?.unwrap_or(0));
+            Ok(true)
         }
         Some(v) => {
             outcome = Err(FormatProblem::Unknown(v));

@@ -853,3 +853,56 @@ async fn a_commit_with_many_waiters_answers_them_only_after_its_sync_and_each_is
         assert_eq!(record.fence, fence, "{key}");
     }
 }
+
+/// A store of format 2 (before the key set) is migrated at open: its records stay, the engine
+/// and the format file say 3 afterwards, and the key set works.
+#[tokio::test]
+async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
+    use dedupgate_core::Namespace;
+    use dedupgate_embedded::{KeySetCall, FORMAT_VERSION, FORMAT_VERSION_MIGRATED};
+    let tmp = tempfile::tempdir().unwrap();
+    let engine_dir = tmp.path().join(ENGINE_DIR_NAME);
+    {
+        let store = open(tmp.path()).unwrap();
+        store.apply(id("kept"), mark_op(json!(7))).await.unwrap();
+    }
+    // Turn it into what a format-2 build left: version 2 in the engine's meta and the file.
+    {
+        let keyspace = fjall::Config::new(engine_dir.join("keyspace"))
+            .open()
+            .unwrap();
+        let meta = keyspace.open_partition("meta", Default::default()).unwrap();
+        meta.insert("format_version", FORMAT_VERSION_MIGRATED.to_le_bytes())
+            .unwrap();
+        keyspace.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    std::fs::write(engine_dir.join("FORMAT"), "2\n").unwrap();
+
+    let store = open(tmp.path()).unwrap();
+    let record = get(&store, "kept")
+        .await
+        .unwrap()
+        .expect("the record survived");
+    assert_eq!(record.result, Some(json!(7)));
+    let call = KeySetCall {
+        namespace: Namespace::new("test").unwrap(),
+        record: Vec::new(),
+        check: vec![[1; 16]],
+        record_new: true,
+        gate_keys: Vec::new(),
+        ttl_ms: DAY_MS,
+    };
+    assert_eq!(store.key_set(call).await.unwrap(), vec![true]);
+    drop(store);
+    let file = std::fs::read_to_string(engine_dir.join("FORMAT")).unwrap();
+    assert_eq!(file.trim(), FORMAT_VERSION.to_string());
+    let keyspace = fjall::Config::new(engine_dir.join("keyspace"))
+        .open()
+        .unwrap();
+    let meta = keyspace.open_partition("meta", Default::default()).unwrap();
+    let v = meta.get("format_version").unwrap().unwrap();
+    assert_eq!(
+        u64::from_le_bytes(v.as_ref().try_into().unwrap()),
+        FORMAT_VERSION
+    );
+}
