@@ -217,7 +217,8 @@ fn gate_record_holds(
 /// it when the walk reached the end (the next step starts over). Returns how many went.
 ///
 /// Disk use stays bounded by (new keys per second) x (ttl + one walk of the set); a walk takes
-/// (members / `max`) sweeps, and the sweeper keeps stepping while steps find expired members.
+/// (members / `max`) sweeps, the sweeper keeps stepping while steps find expired members, and
+/// the writer keeps the cursor in the store's meta, so the walk resumes across opens.
 pub(crate) fn sweep_step(
     txn: &mut dyn Txn,
     cursor: &mut Vec<u8>,

@@ -467,7 +467,7 @@ impl EmbeddedStore {
             shared: shared.clone(),
             batch_ops_max: options.batch_ops_max,
             index_seq: 0,
-            keyset_cursor: Vec::new(),
+            keyset_cursor: None,
         };
         let writer = std::thread::Builder::new()
             .name("dedupgate-writer".into())

@@ -31,6 +31,10 @@ pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
 pub(crate) const META_HELD: &str = "entries_held";
 /// Meta key of the store's format version.
 pub(crate) const META_FORMAT: &str = "format_version";
+/// Meta key of where the sweeper's walk through the key set goes on: the first 8 bytes of the
+/// last member it examined, big-endian (0: from the start). A hint: losing it restarts the
+/// walk, and every open resumes it, so runs shorter than a walk still sweep the whole set.
+pub(crate) const META_KEYSET_SWEEP_FROM: &str = "keyset_sweep_from";
 
 /// Longest the writer waits to gather the callers its last commit answered.
 const GATHER_WAIT_MAX: Duration = Duration::from_micros(300);
@@ -316,8 +320,9 @@ pub(crate) struct Writer {
     pub batch_ops_max: usize,
     /// Sequence number of the last expiry-index record written.
     pub index_seq: u64,
-    /// Where the sweeper's walk through the key set goes on (empty: from the start).
-    pub keyset_cursor: Vec<u8>,
+    /// Where the sweeper's walk through the key set goes on (empty: from the start); `None`
+    /// until the first sweep has read it from [`META_KEYSET_SWEEP_FROM`].
+    pub keyset_cursor: Option<Vec<u8>>,
 }
 
 impl Writer {
@@ -551,15 +556,43 @@ impl Writer {
         let mut more = false;
         let mut set_removed = 0u64;
         let engine = self.engine.as_mut().expect("checked by the caller");
-        let cursor = &mut self.keyset_cursor;
+        let saved = &mut self.keyset_cursor;
+        let mut cursor = saved.clone();
         let result = engine.write(&mut |txn: &mut dyn Txn| {
             removed = 0;
+            set_removed = 0;
             let wrote = sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)?;
-            set_removed = keyset::sweep_step(txn, cursor, now_ms, batch_max)?;
+            let walk = match &mut cursor {
+                Some(c) => c,
+                None => {
+                    let from = txn.meta_get(META_KEYSET_SWEEP_FROM)?.unwrap_or(0);
+                    let start = if from == 0 {
+                        Vec::new()
+                    } else {
+                        from.to_be_bytes().to_vec()
+                    };
+                    cursor.insert(start)
+                }
+            };
+            // What is left of this sweep's budget (the trait's "up to batch_max").
+            let budget = batch_max.saturating_sub(usize::try_from(removed).unwrap_or(usize::MAX));
+            if budget > 0 {
+                let before = walk.clone();
+                set_removed = keyset::sweep_step(txn, walk, now_ms, budget)?;
+                if *walk != before {
+                    let mut prefix = [0u8; 8];
+                    let n = walk.len().min(8);
+                    prefix[..n].copy_from_slice(&walk[..n]);
+                    // Unsynced unless this sweep commits anyway: a hint needs no fsync of its own.
+                    txn.meta_put(META_KEYSET_SWEEP_FROM, u64::from_be_bytes(prefix))?;
+                }
+            }
             Ok(wrote || set_removed > 0)
         });
+        *saved = cursor;
         // The walk goes on at once while it finds expired members and has not wrapped.
-        let more = more || (set_removed > 0 && !self.keyset_cursor.is_empty());
+        let more =
+            more || (set_removed > 0 && self.keyset_cursor.as_ref().is_some_and(|c| !c.is_empty()));
         let removed = removed + set_removed;
         match result {
             Ok(()) => {

@@ -245,3 +245,63 @@ async fn live_gate_records_of_the_namespace_count_as_known_keys() {
     c.gate_keys.pop();
     assert!(matches!(store.key_set(c).await, Err(GateError::Invalid(_))));
 }
+
+/// The sweeper's walk resumes where the last open left it: a store opened only for short runs
+/// (each shorter than a walk of the whole set) still sweeps every expired key in the end.
+#[tokio::test]
+async fn the_sweepers_walk_resumes_across_opens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let open_sweeping = || {
+        let options = EmbeddedOptions {
+            clock: Some(Arc::new(clock.clone())),
+            sweep_interval_ms: 20,
+            sweep_batch_max: 64,
+            ..EmbeddedOptions::default()
+        };
+        EmbeddedStore::open(tmp.path(), options).unwrap()
+    };
+    // 2,000 live keys first in key order, then 100 that expire.
+    let live: Vec<KeyId> = (0..2_000u32)
+        .map(|i| {
+            let mut k = [0u8; 16];
+            k[1..5].copy_from_slice(&i.to_be_bytes());
+            k
+        })
+        .collect();
+    let doomed: Vec<KeyId> = (0..100u32)
+        .map(|i| {
+            let mut k = [0xffu8; 16];
+            k[1..5].copy_from_slice(&i.to_be_bytes());
+            k
+        })
+        .collect();
+    {
+        let store = open_sweeping();
+        let mut c = call("p", vec![], doomed.clone(), true);
+        c.ttl_ms = 10;
+        store.key_set(c).await.unwrap();
+        let mut c = call("p", vec![], live.clone(), true);
+        c.ttl_ms = 3_600_000;
+        store.key_set(c).await.unwrap();
+    }
+    clock.advance(10);
+    // Short sessions: each sweeps a few steps of 64 members, far fewer than 2,100.
+    let mut swept = 0;
+    for _ in 0..40 {
+        let store = open_sweeping();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        swept += store.stats().await.unwrap().swept_total.unwrap();
+        drop(store);
+        if swept >= 100 {
+            break;
+        }
+    }
+    assert_eq!(swept, 100, "every expired key swept over short sessions");
+    let store = open_sweeping();
+    let answers = store
+        .key_set(call("p", vec![], live[..5].to_vec(), false))
+        .await
+        .unwrap();
+    assert_eq!(answers, vec![false; 5], "live keys kept");
+}
