@@ -2,9 +2,10 @@
 //! `redis-cli --cluster reshard` does it: `CLUSTER SETSLOT … IMPORTING/MIGRATING`, `MIGRATE` of
 //! the slot's keys, `CLUSTER SETSLOT … NODE`. While the slot is migrating the source answers
 //! `ASK` for keys it does not hold, which the client does not follow inside a pipeline: such a
-//! batch may be answered `unavailable` (a retry is safe), but never wrongly: an existing key is
-//! never answered "new" (no second copy on the target), and each new key is "new" exactly once
-//! over the whole reshard. Once the slot has moved, batches are decided on the target.
+//! batch may be answered `unavailable` (a retry is safe), but here an existing key is never
+//! answered "new" (no second copy on the target), and each new key is "new" exactly once over
+//! the whole reshard. Once the slot has moved, batches are decided on the target. (The client's
+//! resend of a call that already ran, after a redirect, is `docs/redis.md`'s narrow case.)
 
 use std::sync::Arc;
 
