@@ -94,7 +94,8 @@ impl Window {
 /// Records waiting for one ledger call, back to back.
 #[derive(Default)]
 struct Batch {
-    /// Each record's gate key (the ledger key of a gate ledger)...
+    /// Each record's gate key (the ledger key of a gate ledger; for a key set, only when it
+    /// consults gate records)...
     keys: Vec<String>,
     /// ...and, for a key set, its id.
     ids: Vec<KeyId>,
@@ -136,8 +137,13 @@ enum Sink {
         backend: Backend,
         write: LedgerWrite,
     },
-    /// The key set of an embedded store this run holds.
-    KeySet(Arc<EmbeddedStore>),
+    /// The key set of an embedded store this run holds; with `gate_keys`, each key's gate
+    /// record is consulted too (the store holds gate records, which only this run could add
+    /// or remove while it holds the directory, and it adds none).
+    KeySet {
+        store: Arc<EmbeddedStore>,
+        gate_keys: bool,
+    },
 }
 
 type CallResult = (Sent, anyhow::Result<LedgerAnswers>);
@@ -177,7 +183,13 @@ impl<'a> Ledger<'a> {
     ) -> Self {
         let batch_records = batch_records.clamp(1, LEDGER_BATCH_RECORDS_MAX);
         let sink = match backend.embedded() {
-            Some(store) => Sink::KeySet(store.clone()),
+            Some(store) => Sink::KeySet {
+                store: store.clone(),
+                // Unknown (stats failed): consult them, to be safe.
+                gate_keys: rt
+                    .block_on(dedupgate_core::Store::stats(store.as_ref()))
+                    .map_or(true, |s| s.records_held != Some(0)),
+            },
             None => Sink::Gate {
                 backend: backend.clone(),
                 write: match mode {
@@ -228,12 +240,17 @@ impl<'a> Ledger<'a> {
         out: &mut dyn Write,
     ) -> anyhow::Result<()> {
         encode(&mut self.batch.bytes)?;
-        // A key set also gets each key's gate key: a ledger kept as gate records still counts.
-        self.batch.keys.push(key());
-        if let Sink::KeySet(_) = self.sink {
-            let mut id = KeyId::default();
-            id.copy_from_slice(&digest[..std::mem::size_of::<KeyId>()]);
-            self.batch.ids.push(id);
+        match self.sink {
+            Sink::Gate { .. } => self.batch.keys.push(key()),
+            Sink::KeySet { gate_keys, .. } => {
+                let mut id = KeyId::default();
+                id.copy_from_slice(&digest[..std::mem::size_of::<KeyId>()]);
+                self.batch.ids.push(id);
+                // A ledger kept as gate records still counts.
+                if gate_keys {
+                    self.batch.keys.push(key());
+                }
+            }
         }
         self.batch.ends.push(self.batch.bytes.len());
         if self.batch.len() >= self.batch_records || self.batch.bytes.len() >= LEDGER_BATCH_BYTES {
@@ -267,7 +284,7 @@ impl<'a> Ledger<'a> {
                     (sent, answers)
                 })
             }
-            Sink::KeySet(store) => {
+            Sink::KeySet { store, .. } => {
                 let record = std::mem::take(&mut self.to_record);
                 let sent = Sent {
                     batch,
@@ -311,7 +328,7 @@ impl<'a> Ledger<'a> {
                 sent.completes.len(),
                 LEDGER_LEASE_MS / 1000
             ),
-            Sink::KeySet(_) => format!(
+            Sink::KeySet { .. } => format!(
                 "{}: {} records were written but not recorded; the next run will emit them again",
                 describe(),
                 sent.recorded
@@ -365,7 +382,7 @@ impl<'a> Ledger<'a> {
                     if let Some(token) = token {
                         self.to_complete
                             .push((sent.batch.keys[i].clone(), token.clone()));
-                    } else if matches!(self.sink, Sink::KeySet(_))
+                    } else if matches!(self.sink, Sink::KeySet { .. })
                         && self.mode == LedgerMode::Retriable
                     {
                         self.to_record.push(sent.batch.ids[i]);
@@ -373,8 +390,9 @@ impl<'a> Ledger<'a> {
                 }
                 Ok(_) => counts.duplicates += 1,
                 Err(reason) => {
-                    failure.get_or_insert_with(|| {
-                        anyhow!("ledger refused key {:?}: {reason}", sent.batch.keys[i])
+                    failure.get_or_insert_with(|| match sent.batch.keys.get(i) {
+                        Some(key) => anyhow!("ledger refused key {key:?}: {reason}"),
+                        None => anyhow!("ledger refused a key: {reason}"),
                     });
                 }
             }
