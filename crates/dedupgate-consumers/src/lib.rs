@@ -34,7 +34,9 @@
 //! The failure delay grows with the broker's delivery count `n` (JetStream: the message's
 //! `delivered`; RabbitMQ: `x-delivery-count`, which quorum queues set, or the `rejected` counts of
 //! `x-death`, plus one): `initial × 2^(n−1)`, capped at `max` (by default 1 s, 2 s, 4 s, … up to
-//! 60 s; [`ConsumerGate::failure_retry`]). When the broker gives no count (a classic RabbitMQ
+//! 60 s; [`ConsumerGate::failure_retry`]), plus up to a quarter more at random, so that messages
+//! that failed together (a downstream outage) do not all come back in the same instant. When the
+//! broker gives no count (a classic RabbitMQ
 //! queue's redelivery says only "redelivered") the delay is `initial`, and `max_attempts` cannot
 //! apply. `max_attempts` is unset by default: a rejected message is dropped by a queue without a
 //! dead-letter exchange, so giving up is the user's choice ([`ConsumerGate::max_attempts`]).
@@ -81,8 +83,8 @@ pub const FAILURE_RETRY_INITIAL_DEFAULT: Duration = Duration::from_secs(1);
 pub const FAILURE_RETRY_MAX_DEFAULT: Duration = Duration::from_secs(60);
 /// Longest failure delay [`ConsumerGate::failure_retry`] accepts. The RabbitMQ adapter waits the
 /// delay while holding the unacked delivery, and RabbitMQ closes the channel of a delivery left
-/// unacked past its `consumer_timeout` (30 minutes by default); 10 minutes leaves the handler
-/// the rest.
+/// unacked past its `consumer_timeout` (30 minutes by default); 10 minutes (12.5 with the
+/// jitter) leaves the handler the rest.
 pub const FAILURE_RETRY_LIMIT: Duration = Duration::from_secs(600);
 /// Longest [`ConsumerGate::worker`] name, in bytes: the owner adds `/`, a 16-digit nonce, `-`
 /// and a sequence of up to 20 digits, and must fit the gate's 256-byte owner.
@@ -120,6 +122,13 @@ impl FailureRetry {
         // under 2^20 ms); the multiplication saturates, so a huge count stays at the cap.
         let doublings = attempt.unwrap_or(1).saturating_sub(1).min(31);
         self.initial.saturating_mul(1u32 << doublings).min(self.max)
+    }
+
+    /// [`FailureRetry::delay`] plus up to a quarter of it more, at random (never less): spreads
+    /// the retries of messages that failed together.
+    pub fn jittered_delay(&self, attempt: Option<u32>) -> Duration {
+        let delay = self.delay(attempt);
+        delay + delay.mul_f64(rand::random::<f64>() / 4.0)
     }
 
     /// True when a failure of delivery `attempt` is the last one allowed.
@@ -523,7 +532,7 @@ impl ConsumerGate {
 
     /// The delays after a retriable handler's failures: `initial` after a failed first
     /// delivery, doubling with each further delivery the broker counts, capped at `max`
-    /// (defaults 1 s and 60 s). Refused unless 1 ms ≤ `initial` ≤ `max` ≤
+    /// (defaults 1 s and 60 s), each plus up to a quarter more at random. Refused unless 1 ms ≤ `initial` ≤ `max` ≤
     /// [`FAILURE_RETRY_LIMIT`]: a zero delay is what makes a poison message spin.
     pub fn failure_retry(mut self, initial: Duration, max: Duration) -> Result<Self, InvalidInput> {
         if initial < Duration::from_millis(1) {
@@ -715,7 +724,7 @@ impl ConsumerGate {
         let retry_after = match self.mode {
             Mode::Idempotent => None,
             Mode::Retriable if policy.gives_up(attempt) => None,
-            Mode::Retriable => Some(policy.delay(attempt)),
+            Mode::Retriable => Some(policy.jittered_delay(attempt)),
         };
         Handled::Failed {
             key,
@@ -917,6 +926,14 @@ mod tests {
             max_attempts: None,
         };
         assert_eq!(big.delay(Some(u32::MAX)), FAILURE_RETRY_LIMIT);
+        // Jitter: never below the delay, at most a quarter above, and not one fixed value.
+        let jittered: std::collections::BTreeSet<Duration> =
+            (0..64).map(|_| policy.jittered_delay(Some(3))).collect();
+        assert!(
+            jittered.iter().all(|d| *d >= ms(40) && *d <= ms(50)),
+            "{jittered:?}"
+        );
+        assert!(jittered.len() > 1, "no jitter: {jittered:?}");
         let gives_up: Vec<_> = [None, Some(1), Some(2), Some(3), Some(9)]
             .into_iter()
             .map(|n| policy.gives_up(n))
@@ -944,14 +961,15 @@ mod tests {
             assert_eq!(handled.label(), "failed");
             actions.push(handled.action());
         }
-        let retry = |after| Action::Retry {
-            after,
-            failure: true,
+        // Each delay, plus up to a quarter of jitter.
+        let retry_within = |action: &Action, delay: Duration| {
+            matches!(action, Action::Retry { after, failure: true }
+                if *after >= delay && *after <= delay + delay / 4)
         };
-        assert_eq!(
-            actions,
-            [retry(ms(10)), retry(ms(20)), retry(ms(25)), Action::Reject]
-        );
+        assert!(retry_within(&actions[0], ms(10)), "{actions:?}");
+        assert!(retry_within(&actions[1], ms(20)), "{actions:?}");
+        assert!(retry_within(&actions[2], ms(25)), "{actions:?}");
+        assert_eq!(actions[3], Action::Reject);
         assert_eq!(gate.gate().get("orders", "o-1").await.unwrap(), None);
         let uncounted = gate
             .process(
@@ -962,7 +980,7 @@ mod tests {
                 fail,
             )
             .await;
-        assert_eq!(uncounted.action(), retry(ms(10)), "{uncounted}");
+        assert!(retry_within(&uncounted.action(), ms(10)), "{uncounted}");
         assert!(uncounted.to_string().contains("delivery count unknown"));
         let idempotent = consumer().mode(Mode::Idempotent);
         let handled = idempotent

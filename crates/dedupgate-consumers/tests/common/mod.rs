@@ -95,12 +95,8 @@ pub async fn fail_first(
 pub fn assert_backed_off(seen: &[Seen], policy: FailureRetry) {
     for (i, pair) in seen.windows(2).enumerate() {
         let want = policy.delay(pair[0].attempt);
-        assert_eq!(
-            pair[0].action,
-            Action::Retry {
-                after: want,
-                failure: true
-            },
+        assert!(
+            is_failure_retry_after(&pair[0].action, want),
             "delivery {i}: {seen:#?}"
         );
         let gap = pair[1].at.duration_since(pair[0].at);
@@ -110,6 +106,12 @@ pub fn assert_backed_off(seen: &[Seen], policy: FailureRetry) {
             i + 1
         );
     }
+}
+
+/// True when `action` retries a failure after `delay` plus at most its quarter of jitter.
+pub fn is_failure_retry_after(action: &Action, delay: std::time::Duration) -> bool {
+    matches!(action, Action::Retry { after, failure: true }
+        if *after >= delay && *after <= delay + delay / 4)
 }
 
 /// Every handler call, by key; `fail_first` keys fail on their first call.
