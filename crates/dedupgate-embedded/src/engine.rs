@@ -347,14 +347,7 @@ impl Txn for FjallTxn<'_> {
                 return Ok(true);
             }
         }
-        match self.engine.entries.get(id)? {
-            Some(v) => {
-                out.clear();
-                out.extend_from_slice(&v);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        Ok(copy_found(self.engine.entries.get(id)?, out))
     }
 
     fn put(&mut self, id: &[u8], value: &[u8]) -> Result<(), EngineError> {
@@ -437,14 +430,7 @@ impl Txn for FjallTxn<'_> {
     }
 
     fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
-        match self.engine.keyset.get(key)? {
-            Some(v) => {
-                out.clear();
-                out.extend_from_slice(&v);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        Ok(copy_found(self.engine.keyset.get(key)?, out))
     }
 
     fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
@@ -475,18 +461,23 @@ impl Txn for FjallTxn<'_> {
     }
 }
 
+/// Copies a value the engine found into `out`; false when there was none.
+fn copy_found(found: Option<fjall::Slice>, out: &mut Vec<u8>) -> bool {
+    match found {
+        Some(v) => {
+            out.clear();
+            out.extend_from_slice(&v);
+            true
+        }
+        None => false,
+    }
+}
+
 struct FjallView(fjall::Snapshot);
 
 impl DurableView for FjallView {
     fn get(&self, id: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
-        match self.0.get(id).map_err(fjall::Error::from)? {
-            Some(v) => {
-                out.clear();
-                out.extend_from_slice(&v);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        Ok(copy_found(self.0.get(id).map_err(fjall::Error::from)?, out))
     }
 }
 
