@@ -187,15 +187,23 @@ pub struct FjallEngine {
 /// claims is about 1.5 MB).
 const PUT_BUFFER_BYTES_MAX: usize = 16 << 20;
 
+/// The engine's block cache unless [`crate::EmbeddedOptions::cache_bytes`] says otherwise.
+pub const CACHE_BYTES_DEFAULT: u64 = 64 << 20;
+
 impl FjallEngine {
     /// Opens the keyspace in directory `path`, creating it when it does not exist and replaying
-    /// its journal after a crash.
+    /// its journal after a crash, with the default block cache.
     pub fn open(path: &Path) -> Result<Self, EngineError> {
+        Self::open_with_cache(path, CACHE_BYTES_DEFAULT)
+    }
+
+    /// [`FjallEngine::open`] with `cache_bytes` of block cache.
+    pub fn open_with_cache(path: &Path, cache_bytes: u64) -> Result<Self, EngineError> {
         let keyspace = fjall::Config::new(path)
             // Journals are replayed on open: bounding them bounds recovery time after a crash.
             .max_journaling_size(64 << 20)
             .max_write_buffer_size(32 << 20)
-            .cache_size(64 << 20)
+            .cache_size(cache_bytes)
             // Durability comes from the writer's persist at each commit, and nothing is synced
             // on a timer.
             .manual_journal_persist(true)

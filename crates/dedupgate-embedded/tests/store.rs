@@ -906,3 +906,32 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
         FORMAT_VERSION
     );
 }
+
+#[test]
+fn out_of_range_options_are_refused_before_anything_is_created() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    for options in [
+        EmbeddedOptions {
+            cache_bytes: 1024,
+            ..EmbeddedOptions::default()
+        },
+        EmbeddedOptions {
+            cache_bytes: 65 << 30,
+            ..EmbeddedOptions::default()
+        },
+        EmbeddedOptions {
+            sweep_batch_max: 0,
+            ..EmbeddedOptions::default()
+        },
+    ] {
+        let err = EmbeddedStore::open(&dir, options).unwrap_err();
+        assert!(matches!(err, OpenError::Options(_)), "{err}");
+        assert!(!dir.exists(), "nothing created");
+    }
+    let bigger = EmbeddedOptions {
+        cache_bytes: 256 << 20,
+        ..EmbeddedOptions::default()
+    };
+    drop(EmbeddedStore::open(&dir, bigger).unwrap());
+}

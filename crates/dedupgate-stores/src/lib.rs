@@ -226,19 +226,17 @@ impl Default for StoreSpec {
     }
 }
 
-/// Opens the embedded store in `dir` with default options, as itself rather than as a
-/// [`Store`] (for what only it offers, such as its key set).
+/// Opens the embedded store in `dir` with `options`, as itself rather than as a [`Store`] (for
+/// what only it offers, such as its key set).
 pub async fn open_embedded(
     dir: &std::path::Path,
+    options: dedupgate_embedded::EmbeddedOptions,
 ) -> Result<Arc<dedupgate_embedded::EmbeddedStore>, OpenStoreError> {
     let dir = dir.to_owned();
     // Opening replays the engine journal: file I/O, kept off the async workers.
     let store = tokio::task::spawn_blocking(move || {
-        dedupgate_embedded::EmbeddedStore::open(
-            &dir,
-            dedupgate_embedded::EmbeddedOptions::default(),
-        )
-        .map_err(|source| OpenStoreError::Embedded { dir, source })
+        dedupgate_embedded::EmbeddedStore::open(&dir, options)
+            .map_err(|source| OpenStoreError::Embedded { dir, source })
     })
     .await
     .map_err(OpenStoreError::EmbeddedTask)??;
@@ -249,7 +247,7 @@ pub async fn open_embedded(
 pub async fn open(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenStoreError> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
-        StoreSpec::Embedded(dir) => Ok(open_embedded(dir).await?),
+        StoreSpec::Embedded(dir) => Ok(open_embedded(dir, Default::default()).await?),
         StoreSpec::Postgres(url) => {
             let store = dedupgate_postgres::PgStore::open(url)
                 .await

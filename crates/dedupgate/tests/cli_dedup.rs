@@ -967,3 +967,26 @@ fn gate_records_of_the_ledger_namespace_still_count() {
         assert_eq!(out(&ns_run), expected, "{mode}");
     }
 }
+
+#[test]
+fn ledger_cache_size_is_checked_and_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let input = write(dir.path(), "e.jsonl", &events(0..10));
+    let run = |mb: &str| {
+        dg().args(["dedup", "--key-fields", "event_id", "--ledger-cache-mb", mb])
+            .args(["--ledger", &store, "--namespace", &ns])
+            .arg(&input)
+            .output()
+            .unwrap()
+    };
+    for bad in ["0", "65537", "lots"] {
+        let o = run(bad);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", err(&o));
+        assert!(err(&o).contains("--ledger-cache-mb"), "{}", err(&o));
+    }
+    let first = run("256");
+    assert!(first.status.success(), "{}", err(&first));
+    assert_eq!(out(&first), events(0..10));
+    assert_eq!(out(&run("1")), "");
+}

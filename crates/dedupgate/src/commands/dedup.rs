@@ -33,6 +33,7 @@ use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
 use super::pipeline::parallel::for_each_keyed_chunk;
 use super::pipeline::records::{Keyed, Records};
 use super::pipeline::{line_value, now_ms, progress, Rejects, PROGRESS_EVERY_LINES};
+use dedupgate_embedded::EmbeddedOptions;
 use dedupgate_stores::StoreSpec;
 use ledger::Ledger;
 
@@ -89,6 +90,12 @@ pub struct DedupArgs {
     /// emit the last batch again) or at-most-once (record, then write: a crash can lose it).
     #[arg(long, value_enum, default_value_t = LedgerMode::Retriable)]
     ledger_mode: LedgerMode,
+    /// MiB of block cache for an embedded ledger (1..=65536). A ledger whose key set fits in it
+    /// answers known keys several times faster (a re-run over 7M keys: 141 s with 64, 34 s with
+    /// 256); memory grows with it, whatever the input size.
+    #[arg(long, default_value_t = 64, value_name = "MIB",
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    ledger_cache_mb: u64,
     /// Ledger namespace.
     #[arg(long, default_value = "dedup", value_name = "NS")]
     namespace: String,
@@ -146,7 +153,16 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
         (None, None) => None,
         (ledger, server) => {
             let spec: Option<StoreSpec> = ledger.as_deref().map(str::parse).transpose()?;
-            Some(rt.block_on(Backend::open(spec, server.as_deref(), lock_wait_ms))?)
+            let embedded = EmbeddedOptions {
+                cache_bytes: args.ledger_cache_mb << 20,
+                ..EmbeddedOptions::default()
+            };
+            Some(rt.block_on(Backend::open_with(
+                spec,
+                server.as_deref(),
+                lock_wait_ms,
+                embedded,
+            ))?)
         }
     };
     let (inputs, _spool) = match args.keep {

@@ -16,7 +16,7 @@ use dedupgate_core::{
 };
 use serde_json::{json, Value};
 
-use dedupgate_embedded::EmbeddedStore;
+use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
 use dedupgate_stores::{self as store_spec, StoreSpec};
 
 /// How long an open waits for another process to let go of an embedded store directory.
@@ -45,11 +45,15 @@ pub enum Backend {
 /// An open store, and the same store as itself when it is an embedded one.
 type Opened = (Arc<dyn Store>, Option<Arc<EmbeddedStore>>);
 
-async fn open_waiting(spec: &StoreSpec, lock_wait_ms: u64) -> anyhow::Result<Opened> {
+async fn open_waiting(
+    spec: &StoreSpec,
+    lock_wait_ms: u64,
+    embedded: &EmbeddedOptions,
+) -> anyhow::Result<Opened> {
     let started = Instant::now();
     loop {
         let opened = match spec {
-            StoreSpec::Embedded(dir) => store_spec::open_embedded(dir)
+            StoreSpec::Embedded(dir) => store_spec::open_embedded(dir, embedded.clone())
                 .await
                 .map(|s| (s.clone() as Arc<dyn Store>, Some(s))),
             _ => store_spec::open(spec).await.map(|s| (s, None)),
@@ -84,13 +88,23 @@ impl Backend {
         server: Option<&str>,
         lock_wait_ms: u64,
     ) -> anyhow::Result<Self> {
+        Self::open_with(spec, server, lock_wait_ms, EmbeddedOptions::default()).await
+    }
+
+    /// [`Backend::open`], with `embedded` options for an embedded store.
+    pub async fn open_with(
+        spec: Option<StoreSpec>,
+        server: Option<&str>,
+        lock_wait_ms: u64,
+        embedded: EmbeddedOptions,
+    ) -> anyhow::Result<Self> {
         if let Some(url) = server {
             return Ok(Backend::Remote(
                 Client::new(url).with_context(|| format!("server {url}"))?,
             ));
         }
         let spec = spec.unwrap_or_default();
-        let (store, embedded) = open_waiting(&spec, lock_wait_ms).await?;
+        let (store, embedded) = open_waiting(&spec, lock_wait_ms, &embedded).await?;
         Ok(Backend::Local {
             spec,
             gate: Some(Gate::from_arc(store)),
@@ -109,7 +123,7 @@ impl Backend {
         let spec_or_default = spec.clone().unwrap_or_default();
         if server.is_none() && matches!(spec_or_default, StoreSpec::Embedded(_)) {
             // Open once now so a bad directory fails before anything runs.
-            drop(open_waiting(&spec_or_default, lock_wait_ms).await?);
+            drop(open_waiting(&spec_or_default, lock_wait_ms, &EmbeddedOptions::default()).await?);
             return Ok(Backend::Local {
                 spec: spec_or_default,
                 gate: None,
@@ -131,7 +145,11 @@ impl Backend {
                 gate: None,
                 lock_wait_ms,
                 ..
-            } => Ok(Gate::from_arc(open_waiting(spec, *lock_wait_ms).await?.0)),
+            } => Ok(Gate::from_arc(
+                open_waiting(spec, *lock_wait_ms, &EmbeddedOptions::default())
+                    .await?
+                    .0,
+            )),
             Backend::Remote(_) => Err(anyhow!("no local gate for a server backend")),
         }
     }
