@@ -587,6 +587,11 @@ impl Writer {
                     txn.meta_put(META_KEYSET_SWEEP_FROM, u64::from_be_bytes(prefix))?;
                 }
             }
+            if removed + set_removed > 0 && txn.meta_get(META_CLOCK_MS)?.unwrap_or(0) < now_ms {
+                // What was swept had expired by now: a restart's clock must not start earlier,
+                // or a key swept here would be new again where it was still live.
+                txn.meta_put(META_CLOCK_MS, now_ms)?;
+            }
             Ok(wrote || set_removed > 0)
         });
         *saved = cursor;

@@ -935,3 +935,37 @@ fn out_of_range_options_are_refused_before_anything_is_created() {
     };
     drop(EmbeddedStore::open(&dir, bigger).unwrap());
 }
+
+/// A sweep raises the persisted clock floor to its own instant: what it removed had expired by
+/// then, so a restart's clock must not start before it.
+#[tokio::test]
+async fn a_sweep_raises_the_persisted_clock_floor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let options = EmbeddedOptions {
+        clock: Some(Arc::new(clock.clone())),
+        sweep_interval_ms: 86_400_000, // no background sweep: the test sweeps
+        ..EmbeddedOptions::default()
+    };
+    {
+        let store = EmbeddedStore::open(tmp.path(), options).unwrap();
+        let op = Op::Mark {
+            ttl_ms: 1_000,
+            fingerprint: None,
+            result: None,
+        };
+        store.apply(id("short"), op).await.unwrap();
+        clock.advance(5_000_000);
+        assert_eq!(store.sweep_expired(100).await.unwrap(), 1);
+    }
+    let keyspace = fjall::Config::new(tmp.path().join(ENGINE_DIR_NAME).join("keyspace"))
+        .open()
+        .unwrap();
+    let meta = keyspace.open_partition("meta", Default::default()).unwrap();
+    let floor = meta.get("clock_high_water_ms").unwrap().unwrap();
+    assert_eq!(
+        u64::from_le_bytes(floor.as_ref().try_into().unwrap()),
+        6_000_000,
+        "the sweep's instant"
+    );
+}
