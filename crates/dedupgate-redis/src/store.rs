@@ -45,11 +45,11 @@ enum Conn {
 }
 
 impl Conn {
-    /// Sends `pipe` (`count` replies), whose commands all touch keys of one slot; `guard` is one
-    /// of those keys when more than one command of the pipeline touches keys.
+    /// A new pipeline for `key_commands` commands on the slot of `guard` (one of their keys),
+    /// with room for `capacity` commands, and how many replies of its own the caller skips.
     ///
-    /// On a cluster such a pipeline goes first with a read of `guard` (`EXISTS`, its reply
-    /// dropped). While a slot migrates, its source node answers `ASK` for keys it does not
+    /// On a cluster, more than one key command go after a read of `guard` (`EXISTS`, its reply
+    /// skipped). While a slot migrates, its source node answers `ASK` for keys it does not
     /// hold, and the client then sends the whole pipeline to the target behind a single
     /// `ASKING`, which admits only the pipeline's first command there (the rest are refused
     /// with `MOVED`, and the batch is answered "unavailable", safe to retry). Without the read,
@@ -57,26 +57,33 @@ impl Conn {
     /// a second, stray copy of a live record, which later broke the slot's `MIGRATE` with
     /// `BUSYKEY` (`tests/resharding.rs`). A pipeline with one key command needs no read: that
     /// command got `ASK` only if the source does not hold its keys, so it belongs on the target.
+    fn start_pipeline(
+        &self,
+        capacity: usize,
+        key_commands: usize,
+        guard: &[u8],
+    ) -> (Pipeline, usize) {
+        let mut pipe = Pipeline::with_capacity(capacity + 1);
+        if matches!(self, Conn::Cluster(_)) && key_commands > 1 {
+            pipe.cmd("EXISTS").arg(guard);
+            (pipe, 1)
+        } else {
+            (pipe, 0)
+        }
+    }
+
+    /// Sends `pipe` and answers `count` replies after its first `offset` (see
+    /// [`Conn::start_pipeline`]).
     async fn pipeline(
         &self,
         pipe: &Pipeline,
+        offset: usize,
         count: usize,
-        guard: Option<&[u8]>,
     ) -> redis::RedisResult<Vec<Value>> {
         match self {
-            Conn::Single(c) => c.clone().req_packed_commands(pipe, 0, count).await,
+            Conn::Single(c) => c.clone().req_packed_commands(pipe, offset, count).await,
             Conn::Cluster(h) => {
-                let r = match guard {
-                    Some(key) => {
-                        let mut guarded = Pipeline::with_capacity(count + 1);
-                        guarded.cmd("EXISTS").arg(key);
-                        for cmd in pipe.cmd_iter() {
-                            guarded.add_command(cmd.clone());
-                        }
-                        h.current().req_packed_commands(&guarded, 1, count).await
-                    }
-                    None => h.current().req_packed_commands(pipe, 0, count).await,
-                };
+                let r = h.current().req_packed_commands(pipe, offset, count).await;
                 if r.is_err() {
                     h.failed();
                 }
@@ -415,7 +422,7 @@ impl Inner {
     }
 
     /// Sends one pipeline of script calls (all in one slot on a cluster, `guard` one of their
-    /// keys: see [`Conn::pipeline`]), reloading the script once if the server lost it, then
+    /// keys: see [`Conn::start_pipeline`]), reloading the script once if the server lost it, then
     /// `WAIT`s if asked. One answer per call.
     async fn send(
         &self,
@@ -429,7 +436,9 @@ impl Inner {
         let mut pending: Vec<usize> = (0..n).collect();
         let mut wait_acked: Option<i64> = None;
         for attempt in 0..2 {
-            let mut pipe = redis::pipe();
+            let (mut pipe, offset) =
+                self.conn
+                    .start_pipeline(pending.len() + 2, pending.len(), guard);
             if attempt > 0 {
                 pipe.cmd("SCRIPT").arg("LOAD").arg(DECIDE_LUA);
             }
@@ -443,8 +452,7 @@ impl Inner {
                     .arg(self.opts.wait_timeout_ms);
             }
             let count = skip + pending.len() + usize::from(wait);
-            let guard = (pending.len() > 1).then_some(guard);
-            let values = match self.conn.pipeline(&pipe, count, guard).await {
+            let values = match self.conn.pipeline(&pipe, offset, count).await {
                 Ok(values) if values.len() == count => values,
                 Ok(values) => {
                     let why = format!(
@@ -774,7 +782,10 @@ impl Inner {
         let wait = self.opts.wait_replicas > 0;
         // Sized up front: growing each command's buffer argument by argument was a visible
         // share of the client's CPU per key.
-        let mut pipe = redis::Pipeline::with_capacity(group.len() + 2);
+        let guard = group.first().map_or(&[][..], |p| &p.keys.record[..]);
+        let (mut pipe, offset) = self
+            .conn
+            .start_pipeline(group.len() + 2, group.len(), guard);
         let mut record = Vec::new();
         let mut sent = Vec::with_capacity(group.len());
         let mut found = Vec::new();
@@ -816,8 +827,7 @@ impl Inner {
                     })
                     .collect()
             };
-        let guard = (sent.len() > 1).then_some(&sent[0].keys.record[..]);
-        let values = match self.conn.pipeline(&pipe, count, guard).await {
+        let values = match self.conn.pipeline(&pipe, offset, count).await {
             Ok(values) if values.len() == count => values,
             Ok(values) => {
                 let why = format!(
