@@ -197,6 +197,11 @@ impl FjallEngine {
         Self::open_with_cache(path, CACHE_BYTES_DEFAULT)
     }
 
+    /// Every partition, for what touches them all (memtable rotation, flush waits).
+    fn partitions(&self) -> [&fjall::PartitionHandle; 4] {
+        [&self.entries, &self.expiry, &self.meta, &self.keyset]
+    }
+
     /// [`FjallEngine::open`] with `cache_bytes` of block cache.
     pub fn open_with_cache(path: &Path, cache_bytes: u64) -> Result<Self, EngineError> {
         let keyspace = fjall::Config::new(path)
@@ -405,11 +410,7 @@ impl Txn for FjallTxn<'_> {
         out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
         self.flush()?;
-        for item in self.engine.expiry.range(..bound).take(max) {
-            let (k, v) = item?;
-            out.push((k.to_vec(), v.to_vec()));
-        }
-        Ok(())
+        push_range(self.engine.expiry.range(..bound), max, out)
     }
 
     fn meta_get(&mut self, name: &str) -> Result<Option<u64>, EngineError> {
@@ -461,12 +462,21 @@ impl Txn for FjallTxn<'_> {
     ) -> Result<(), EngineError> {
         use std::ops::Bound;
         let range = (Bound::Excluded(after), Bound::Unbounded);
-        for item in self.engine.keyset.range::<&[u8], _>(range).take(max) {
-            let (k, v) = item?;
-            out.push((k.to_vec(), v.to_vec()));
-        }
-        Ok(())
+        push_range(self.engine.keyset.range::<&[u8], _>(range), max, out)
     }
+}
+
+/// Appends the first `max` (key, value) pairs of a range scan to `out`.
+fn push_range(
+    range: impl Iterator<Item = fjall::Result<(fjall::Slice, fjall::Slice)>>,
+    max: usize,
+    out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+) -> Result<(), EngineError> {
+    for item in range.take(max) {
+        let (k, v) = item?;
+        out.push((k.to_vec(), v.to_vec()));
+    }
+    Ok(())
 }
 
 /// Copies a value the engine found into `out`; false when there was none.
@@ -548,7 +558,7 @@ impl Engine for FjallEngine {
             None => 0,
         };
         self.meta.insert(META_CHECKPOINTS, (n + 1).to_le_bytes())?;
-        let partitions = [&self.entries, &self.expiry, &self.meta, &self.keyset];
+        let partitions = self.partitions();
         for partition in partitions {
             partition.rotate_memtable()?;
         }
@@ -608,7 +618,7 @@ impl Engine for FjallEngine {
     /// every change); the next open is merely slower.
     fn close(&mut self) -> Result<(), EngineError> {
         use lsm_tree::AbstractTree;
-        let partitions = [&self.entries, &self.expiry, &self.meta, &self.keyset];
+        let partitions = self.partitions();
         for partition in partitions {
             partition.rotate_memtable()?;
         }

@@ -212,21 +212,38 @@ fn gate_record_holds(
         }))
 }
 
+/// Meta key of where the sweeper's walk goes on: the first 8 bytes of the last member it
+/// examined, big-endian (0: from the start). A hint: losing it restarts the walk, and every open
+/// resumes it, so a store opened only for runs shorter than a walk still sweeps the whole set.
+const META_SWEEP_FROM: &str = "keyset_sweep_from";
+
 /// One bounded step of the sweeper's walk through the set: examines up to `max` members after
 /// `cursor` and removes the expired ones. Moves `cursor` to the last member examined, or empties
-/// it when the walk reached the end (the next step starts over). Returns how many went.
+/// it when the walk reached the end (the next step starts over). `None` (a new writer) resumes
+/// from the hint in meta, which each step that moves updates (unsynced unless the sweep commits
+/// anyway: a hint needs no fsync of its own). Returns how many went.
 ///
 /// Disk use stays bounded by (new keys per second) x (ttl + one walk of the set); a walk takes
-/// (members / `max`) sweeps, the sweeper keeps stepping while steps find expired members, and
-/// the writer keeps the cursor in the store's meta, so the walk resumes across opens.
+/// (members / `max`) sweeps, and the sweeper keeps stepping while steps find expired members.
 pub(crate) fn sweep_step(
     txn: &mut dyn Txn,
-    cursor: &mut Vec<u8>,
+    cursor: &mut Option<Vec<u8>>,
     now_ms: u64,
     max: usize,
 ) -> Result<u64, EngineError> {
+    let walk = match cursor {
+        Some(walk) => walk,
+        None => {
+            let from = txn.meta_get(META_SWEEP_FROM)?.unwrap_or(0);
+            cursor.insert(if from == 0 {
+                Vec::new()
+            } else {
+                from.to_be_bytes().to_vec()
+            })
+        }
+    };
     let mut members = Vec::new();
-    txn.set_after(cursor, max, &mut members)?;
+    txn.set_after(walk, max, &mut members)?;
     let mut removed = 0;
     for (key, value) in &members {
         match decode_expiry(value) {
@@ -241,12 +258,17 @@ pub(crate) fn sweep_step(
             }
         }
     }
-    match members.last() {
-        Some((last, _)) if members.len() == max => {
-            cursor.clear();
-            cursor.extend_from_slice(last);
-        }
-        _ => cursor.clear(),
+    let next: &[u8] = match members.last() {
+        Some((last, _)) if members.len() == max => last,
+        _ => &[],
+    };
+    if walk.as_slice() != next {
+        walk.clear();
+        walk.extend_from_slice(next);
+        let mut prefix = [0u8; 8];
+        let n = walk.len().min(8);
+        prefix[..n].copy_from_slice(&walk[..n]);
+        txn.meta_put(META_SWEEP_FROM, u64::from_be_bytes(prefix))?;
     }
     Ok(removed)
 }

@@ -190,17 +190,10 @@ fn engine_open_error(path: &Path, e: EngineError) -> OpenError {
     }
 }
 
-/// Writes the format file of a new engine directory, durably.
+/// Writes the format file of an engine directory (a new one, or a migrated one's over the old):
+/// written aside, fsync'd, renamed into place, and the directory fsync'd, so a crash leaves the
+/// old file (or none) or the new one.
 fn write_format_file(engine_dir: &Path) -> std::io::Result<()> {
-    let path = engine_dir.join(FORMAT_FILE_NAME);
-    let mut f = File::create(&path)?;
-    std::io::Write::write_all(&mut f, format!("{}\n", crate::FORMAT_VERSION).as_bytes())?;
-    f.sync_all()
-}
-
-/// Replaces the format file of a migrated engine directory: written aside, fsync'd, renamed
-/// over the old one, and the directory fsync'd, so a crash leaves the old file or the new one.
-fn rewrite_format_file(engine_dir: &Path) -> std::io::Result<()> {
     let aside = engine_dir.join(format!("{FORMAT_FILE_NAME}.new"));
     let mut f = File::create(&aside)?;
     std::io::Write::write_all(&mut f, format!("{}\n", crate::FORMAT_VERSION).as_bytes())?;
@@ -379,7 +372,7 @@ impl EmbeddedStore {
                 // The engine's meta says FORMAT_VERSION now (migrated if it was older): the
                 // format file follows.
                 if file_version != crate::FORMAT_VERSION {
-                    rewrite_format_file(&db_path).map_err(|e| OpenError::io(&db_path, e))?;
+                    write_format_file(&db_path).map_err(|e| OpenError::io(&db_path, e))?;
                     tracing::info!(
                         dir = %dir.display(),
                         from = file_version,

@@ -31,10 +31,6 @@ pub(crate) const META_CLOCK_MS: &str = "clock_high_water_ms";
 pub(crate) const META_HELD: &str = "entries_held";
 /// Meta key of the store's format version.
 pub(crate) const META_FORMAT: &str = "format_version";
-/// Meta key of where the sweeper's walk through the key set goes on: the first 8 bytes of the
-/// last member it examined, big-endian (0: from the start). A hint: losing it restarts the
-/// walk, and every open resumes it, so runs shorter than a walk still sweep the whole set.
-pub(crate) const META_KEYSET_SWEEP_FROM: &str = "keyset_sweep_from";
 
 /// Longest the writer waits to gather the callers its last commit answered.
 const GATHER_WAIT_MAX: Duration = Duration::from_micros(300);
@@ -320,8 +316,7 @@ pub(crate) struct Writer {
     pub batch_ops_max: usize,
     /// Sequence number of the last expiry-index record written.
     pub index_seq: u64,
-    /// Where the sweeper's walk through the key set goes on (empty: from the start); `None`
-    /// until the first sweep has read it from [`META_KEYSET_SWEEP_FROM`].
+    /// Where the sweeper's walk through the key set goes on (see [`keyset::sweep_step`]).
     pub keyset_cursor: Option<Vec<u8>>,
 }
 
@@ -519,20 +514,20 @@ impl Writer {
         let mut answers = Vec::with_capacity(call.check.len());
         let mut unreadable = None;
         let engine = self.engine.as_mut().expect("checked by the caller");
-        let result = engine.write(&mut |txn: &mut dyn Txn| {
-            match keyset::apply(txn, call, now_ms, &mut answers)? {
-                Ok(true) => {
-                    // As for records: a restart's clock never starts before this instant.
-                    if txn.meta_get(META_CLOCK_MS)?.unwrap_or(0) < now_ms {
-                        txn.meta_put(META_CLOCK_MS, now_ms)?;
-                    }
-                    Ok(true)
-                }
-                Ok(false) => Ok(false),
-                Err(e) => {
-                    unreadable = Some(e);
-                    Ok(false)
-                }
+        let result = engine.write(&mut |txn: &mut dyn Txn| match keyset::apply(
+            txn,
+            call,
+            now_ms,
+            &mut answers,
+        )? {
+            Ok(true) => {
+                raise_clock_floor(txn, now_ms)?;
+                Ok(true)
+            }
+            Ok(false) => Ok(false),
+            Err(e) => {
+                unreadable = Some(e);
+                Ok(false)
             }
         });
         match (result, unreadable) {
@@ -562,35 +557,15 @@ impl Writer {
             removed = 0;
             set_removed = 0;
             let wrote = sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)?;
-            let walk = match &mut cursor {
-                Some(c) => c,
-                None => {
-                    let from = txn.meta_get(META_KEYSET_SWEEP_FROM)?.unwrap_or(0);
-                    let start = if from == 0 {
-                        Vec::new()
-                    } else {
-                        from.to_be_bytes().to_vec()
-                    };
-                    cursor.insert(start)
-                }
-            };
             // What is left of this sweep's budget (the trait's "up to batch_max").
             let budget = batch_max.saturating_sub(usize::try_from(removed).unwrap_or(usize::MAX));
             if budget > 0 {
-                let before = walk.clone();
-                set_removed = keyset::sweep_step(txn, walk, now_ms, budget)?;
-                if *walk != before {
-                    let mut prefix = [0u8; 8];
-                    let n = walk.len().min(8);
-                    prefix[..n].copy_from_slice(&walk[..n]);
-                    // Unsynced unless this sweep commits anyway: a hint needs no fsync of its own.
-                    txn.meta_put(META_KEYSET_SWEEP_FROM, u64::from_be_bytes(prefix))?;
-                }
+                set_removed = keyset::sweep_step(txn, &mut cursor, now_ms, budget)?;
             }
-            if removed + set_removed > 0 && txn.meta_get(META_CLOCK_MS)?.unwrap_or(0) < now_ms {
-                // What was swept had expired by now: a restart's clock must not start earlier,
-                // or a key swept here would be new again where it was still live.
-                txn.meta_put(META_CLOCK_MS, now_ms)?;
+            if removed + set_removed > 0 {
+                // What was swept had expired by now: a key swept here must not be new again
+                // where it was still live.
+                raise_clock_floor(txn, now_ms)?;
             }
             Ok(wrote || set_removed > 0)
         });
@@ -910,11 +885,7 @@ fn decide_all<'k>(
         any = true;
     }
     if any {
-        // Persist the latest instant decided on, so a restart's clock never starts earlier.
-        let prev = txn.meta_get(META_CLOCK_MS)?.unwrap_or(0);
-        if now_ms > prev {
-            txn.meta_put(META_CLOCK_MS, now_ms)?;
-        }
+        raise_clock_floor(txn, now_ms)?;
         if added > 0 {
             let held = txn.meta_get(META_HELD)?.unwrap_or(0);
             txn.meta_put(META_HELD, held + added)?;
@@ -977,6 +948,15 @@ fn sweep_in(
         txn.meta_put(META_HELD, held.saturating_sub(*removed))?;
     }
     Ok(wrote)
+}
+
+/// Persists `now_ms` as the latest instant decided on (or swept at) unless a later one is, so a
+/// restart's clock never starts before it.
+fn raise_clock_floor(txn: &mut dyn Txn, now_ms: u64) -> Result<(), EngineError> {
+    if txn.meta_get(META_CLOCK_MS)?.unwrap_or(0) < now_ms {
+        txn.meta_put(META_CLOCK_MS, now_ms)?;
+    }
+    Ok(())
 }
 
 /// Why a store's format cannot be used.
