@@ -141,7 +141,7 @@ pub fn decide(
                         change: Change::Put(renewed),
                     }
                 }
-                EntryState::InProgress if lease_passed(e, now_ms) => take(fingerprint, owner),
+                EntryState::InProgress if e.lease_passed(now_ms) => take(fingerprint, owner),
                 _ => Decision::keep(Ok(Outcome::Claimed(Claim::Duplicate { record: record(e) }))),
             }
         }
@@ -176,7 +176,7 @@ pub fn decide(
             if mismatch(&e.fingerprint, &fingerprint) {
                 return Decision::keep(Err(GateError::FingerprintMismatch));
             }
-            if e.state == EntryState::InProgress && lease_passed(e, now_ms) {
+            if e.state == EntryState::InProgress && e.lease_passed(now_ms) {
                 return set(fingerprint, result);
             }
             Decision::keep(Ok(Outcome::Marked(Mark::Duplicate { record: record(e) })))
@@ -261,10 +261,6 @@ pub fn decide(
             None => Decision::keep(Ok(Outcome::Forgotten(false))),
         },
     }
-}
-
-fn lease_passed(e: &Entry, now_ms: u64) -> bool {
-    e.lease_expires_at_ms.is_some_and(|l| now_ms >= l)
 }
 
 #[cfg(test)]

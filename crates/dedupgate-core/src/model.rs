@@ -246,6 +246,22 @@ impl Entry {
         now_ms < self.expires_at_ms
     }
 
+    /// True once an in-progress entry's lease has passed at `now_ms` (anyone may take it over).
+    pub fn lease_passed(&self, now_ms: u64) -> bool {
+        self.lease_expires_at_ms.is_some_and(|l| now_ms >= l)
+    }
+
+    /// True when a claim of the key at `now_ms` by anyone but its holder is a duplicate: the
+    /// entry is live, and completed or in progress under a lease that has not passed.
+    pub fn holds(&self, now_ms: u64) -> bool {
+        self.is_live(now_ms)
+            && match self.state {
+                EntryState::Completed => true,
+                EntryState::InProgress => !self.lease_passed(now_ms),
+                EntryState::Released => false,
+            }
+    }
+
     /// The public view, or `None` for a tombstone or an expired entry.
     pub fn to_record(&self, id: &RecordId, now_ms: u64) -> Option<Record> {
         let state = match self.state {

@@ -20,7 +20,7 @@
 //! ([`MEMBER_ENCODING_V1`]), then the expiry instant as u64 big-endian unix ms.
 
 use dedupgate_core::op::DURATION_MS_MAX;
-use dedupgate_core::{EntryState, GateError, InvalidInput, Namespace, RecordId};
+use dedupgate_core::{GateError, InvalidInput, Namespace, RecordId};
 
 use crate::codec::{decode_entry, encode_id, DecodeError};
 use crate::engine::{EngineError, Txn};
@@ -204,12 +204,7 @@ fn gate_record_holds(
             return Ok(Err(Unreadable(format!("{ns} / {gate_key:?}: {e}"))));
         }
     };
-    Ok(Ok(entry.is_live(now_ms)
-        && match entry.state {
-            EntryState::Completed => true,
-            EntryState::InProgress => entry.lease_expires_at_ms.is_some_and(|l| now_ms < l),
-            EntryState::Released => false,
-        }))
+    Ok(Ok(entry.holds(now_ms)))
 }
 
 /// Meta key of where the sweeper's walk goes on: the first 8 bytes of the last member it
