@@ -74,6 +74,18 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (usize, u64)> {
     out
 }
 
+/// Reads a named number of the store's meta from its engine files directly (the store closed).
+fn raw_meta(dir: &Path, name: &str) -> u64 {
+    let ks = fjall::Config::new(dir.join(ENGINE_DIR_NAME).join("keyspace"))
+        .open()
+        .unwrap();
+    let meta = ks
+        .open_partition("meta", fjall::PartitionCreateOptions::default())
+        .unwrap();
+    let v = meta.get(name).unwrap().expect("the meta number is there");
+    u64::from_le_bytes(v.as_ref().try_into().unwrap())
+}
+
 /// Writes into the store's engine files directly (the store closed), as a bug or a disk fault
 /// would.
 fn raw_put(dir: &Path, partition: &str, key: &[u8], value: &[u8]) {
@@ -867,15 +879,12 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
         store.apply(id("kept"), mark_op(json!(7))).await.unwrap();
     }
     // Turn it into what a format-2 build left: version 2 in the engine's meta and the file.
-    {
-        let keyspace = fjall::Config::new(engine_dir.join("keyspace"))
-            .open()
-            .unwrap();
-        let meta = keyspace.open_partition("meta", Default::default()).unwrap();
-        meta.insert("format_version", FORMAT_VERSION_MIGRATED.to_le_bytes())
-            .unwrap();
-        keyspace.persist(fjall::PersistMode::SyncAll).unwrap();
-    }
+    raw_put(
+        tmp.path(),
+        "meta",
+        b"format_version",
+        &FORMAT_VERSION_MIGRATED.to_le_bytes(),
+    );
     std::fs::write(engine_dir.join("FORMAT"), "2\n").unwrap();
 
     let store = open(tmp.path()).unwrap();
@@ -896,15 +905,7 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
     drop(store);
     let file = std::fs::read_to_string(engine_dir.join("FORMAT")).unwrap();
     assert_eq!(file.trim(), FORMAT_VERSION.to_string());
-    let keyspace = fjall::Config::new(engine_dir.join("keyspace"))
-        .open()
-        .unwrap();
-    let meta = keyspace.open_partition("meta", Default::default()).unwrap();
-    let v = meta.get("format_version").unwrap().unwrap();
-    assert_eq!(
-        u64::from_le_bytes(v.as_ref().try_into().unwrap()),
-        FORMAT_VERSION
-    );
+    assert_eq!(raw_meta(tmp.path(), "format_version"), FORMAT_VERSION);
 }
 
 #[test]
@@ -958,13 +959,8 @@ async fn a_sweep_raises_the_persisted_clock_floor() {
         clock.advance(5_000_000);
         assert_eq!(store.sweep_expired(100).await.unwrap(), 1);
     }
-    let keyspace = fjall::Config::new(tmp.path().join(ENGINE_DIR_NAME).join("keyspace"))
-        .open()
-        .unwrap();
-    let meta = keyspace.open_partition("meta", Default::default()).unwrap();
-    let floor = meta.get("clock_high_water_ms").unwrap().unwrap();
     assert_eq!(
-        u64::from_le_bytes(floor.as_ref().try_into().unwrap()),
+        raw_meta(tmp.path(), "clock_high_water_ms"),
         6_000_000,
         "the sweep's instant"
     );
