@@ -12,8 +12,10 @@
 //!   still stored (live, expired or a release tombstone); once an entry is gone the clock term
 //!   still exceeds every earlier fence unless one key saw more than [`FENCE_PER_MS`] successful
 //!   claims in one millisecond.
-//! - Only the current token completes, releases or extends; a retried complete or release with the
-//!   token that did it is answered again without a change, so a lost answer is safe to retry.
+//! - Only the current token completes, releases or extends; a retried complete with the token
+//!   that did it is answered again without a change, so a lost answer is safe to retry. A
+//!   released token is no longer the holder's: releasing again answers `lease_lost` (API.md),
+//!   which tells a caller that retried after a lost answer what it needs, that it holds nothing.
 
 use crate::error::GateError;
 use crate::model::{Entry, EntryState, RecordId, Token};
@@ -220,8 +222,11 @@ pub fn decide(
                         change: Change::Put(tombstone),
                     }
                 }
-                EntryState::Released => Decision::keep(Ok(Outcome::Released)),
-                EntryState::Completed => Decision::keep(Err(GateError::LeaseLost)),
+                // A released token is no longer the holder's (API.md), so a second release
+                // is refused like any other stale token; the caller holds nothing either way.
+                EntryState::Released | EntryState::Completed => {
+                    Decision::keep(Err(GateError::LeaseLost))
+                }
             },
             _ => Decision::keep(Err(GateError::LeaseLost)),
         },

@@ -31,6 +31,7 @@
 //! ```
 
 pub mod clock;
+pub mod coalesce;
 pub mod decide;
 pub mod error;
 pub mod gate;
@@ -43,6 +44,7 @@ pub mod store;
 pub mod testkit;
 
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use coalesce::{CoalesceLimits, Coalescer};
 pub use decide::{decide, next_fence, Change, Decision};
 pub use error::{GateError, InvalidInput, StoreError};
 pub use gate::{ClaimOptions, Defaults, Gate, Mode, Run, RunError};

@@ -145,10 +145,11 @@ impl Token {
         Self(value.into())
     }
 
-    /// A fresh token: 128 random bits as hex. Fails only when the OS has no randomness.
+    /// A fresh token: 128 random bits as 32 hex digits, from the thread's CSPRNG (ChaCha,
+    /// seeded and periodically reseeded from the operating system), without a system call per
+    /// token: a `getrandom` per claim was ~6% of a store's CPU on a batch.
     pub fn generate() -> Self {
-        let mut bytes = [0u8; 16];
-        getrandom::getrandom(&mut bytes).expect("the operating system's random source failed");
+        let bytes: [u8; 16] = rand::Rng::gen(&mut rand::thread_rng());
         Self(hex::encode(bytes))
     }
 

@@ -724,20 +724,6 @@ fn request_ops(r: &Request) -> usize {
     }
 }
 
-/// A new claim's token: 16 bytes from the thread's CSPRNG (ChaCha, seeded and periodically
-/// reseeded from the operating system), as 32 hex digits like [`Token::generate`], without
-/// [`Token::generate`]'s `getrandom` system call per claim (~6% of the writer's CPU on a batch).
-fn fresh_token() -> Token {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bytes: [u8; 16] = rand::Rng::gen(&mut rand::thread_rng());
-    let mut text = String::with_capacity(32);
-    for b in bytes {
-        text.push(HEX[usize::from(b >> 4)] as char);
-        text.push(HEX[usize::from(b & 0xf)] as char);
-    }
-    Token::new(text)
-}
-
 /// Reads the stored entry of `id` (storage key `key`) into a new slot.
 fn read_slot(
     txn: &mut dyn Txn,
@@ -823,7 +809,7 @@ fn decide_all<'k>(
             answers.push((Err(StoreError::Corrupt(why.clone()).into()), true));
             continue;
         }
-        let decision = decide(&id, op, slot.current.as_ref(), now_ms, fresh_token);
+        let decision = decide(&id, op, slot.current.as_ref(), now_ms, Token::generate);
         // Settled: the answer rests only on durable state (nothing in this batch touched the id)
         // and changes nothing, so it may be sent before this batch's sync.
         let mut settled = !slot.dirty;
