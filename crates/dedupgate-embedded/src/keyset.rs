@@ -9,8 +9,9 @@
 //!
 //! The set lives beside the gate's records in the same directory, under the same lock, writer
 //! and fsync rules: a [`KeySetCall`] that writes is one transaction and one fdatasync, answered
-//! only after it. It is a separate set: `get`/`forget` do not see it, and a key-set member never
-//! answers a gate claim. The other way round, a call may name each checked key's gate record
+//! only after it. It is a separate set: a gate op never sees it (`dedupgate forget` on an
+//! embedded store removes a key's member with [`KeySetCall::forget`] beside the gate op), and a
+//! key-set member never answers a gate claim. The other way round, a call may name each checked key's gate record
 //! ([`KeySetCall::gate_keys`]): a key the set does not hold is still known while that record is
 //! live (completed, or in progress under a live lease), so a ledger kept as gate records (by a
 //! build before the key set, or by runs through a server) keeps counting.
@@ -18,6 +19,8 @@
 //! Encoding (part of [`crate::FORMAT_VERSION`]): member key = 16 id bytes, then the namespace's
 //! bytes (random bytes first, so the engine's comparisons end early); value = a version byte
 //! ([`MEMBER_ENCODING_V1`]), then the expiry instant as u64 big-endian unix ms.
+
+use std::collections::HashSet;
 
 use dedupgate_core::op::DURATION_MS_MAX;
 use dedupgate_core::{GateError, InvalidInput, Namespace, RecordId};
@@ -31,9 +34,9 @@ pub type KeyId = [u8; 16];
 /// Version of the member encoding written by this build.
 pub const MEMBER_ENCODING_V1: u8 = 1;
 
-/// One round trip to the key set: first `record` is stored (expiring `ttl_ms` from now), then
-/// each of `check` is looked up; with `record_new` the ones found absent or expired are stored
-/// too, in the same commit.
+/// One round trip to the key set: first `forget` is removed, then `record` is stored (expiring
+/// `ttl_ms` from now), then each of `check` is looked up; with `record_new` the ones found
+/// absent or expired are stored too, in the same commit.
 ///
 /// The two orders of a ledger: "record, then emit" (at most once: `record_new`) and "emit, then
 /// record" (nothing lost: `check` alone, and the keys emitted go in the next call's `record`).
@@ -53,6 +56,9 @@ pub struct KeySetCall {
     pub gate_keys: Vec<String>,
     /// How long stored keys are remembered (1 ms to [`DURATION_MS_MAX`]).
     pub ttl_ms: u64,
+    /// Keys to remove (an operator's `dedupgate forget`), so that their next sighting is new.
+    /// Their answers follow those of `check`: true when a live member was removed.
+    pub forget: Vec<KeyId>,
 }
 
 impl KeySetCall {
@@ -113,9 +119,10 @@ pub fn decode_expiry(bytes: &[u8]) -> Result<u64, DecodeError> {
 #[derive(Debug)]
 pub(crate) struct Unreadable(pub String);
 
-/// Runs `call` inside `txn` at `now_ms`: answers one bool per key of `check` (true: new) in
-/// `answers`. Reads come first: an unreadable member stops the call before any write
-/// (`Ok(Err(..))`, nothing to commit). Returns whether anything was written.
+/// Runs `call` inside `txn` at `now_ms`: answers one bool per key of `check` (true: new), then
+/// one per key of `forget` (true: a live member was removed), in `answers`. Reads come first: an
+/// unreadable member stops the call before any write (`Ok(Err(..))`, nothing to commit).
+/// Returns whether anything was written.
 pub(crate) fn apply(
     txn: &mut dyn Txn,
     call: &KeySetCall,
@@ -126,12 +133,25 @@ pub(crate) fn apply(
     let mut key = Vec::with_capacity(16 + call.namespace.as_str().len());
     let mut value = Vec::with_capacity(16);
     answers.clear();
-    answers.resize(call.check.len(), false);
+    answers.resize(call.check.len() + call.forget.len(), false);
+    // Members to forget, read first like every other key: their answers, and which exist.
+    let mut forgotten = HashSet::with_capacity(call.forget.len());
+    for (i, id) in call.forget.iter().enumerate() {
+        encode_member(id, &call.namespace, &mut key);
+        match stored_expiry(txn, &key, &mut value)? {
+            Ok(Some(expires_at_ms)) => {
+                answers[call.check.len() + i] = expires_at_ms > now_ms;
+                forgotten.insert(id);
+            }
+            Ok(None) => {}
+            Err(e) => return Ok(Err(e)),
+        }
+    }
     // Lookups in key order share their path down the memtable and segment indexes; among equal
     // ids the first in `check` is the one that may be new.
     let mut order: Vec<usize> = (0..call.check.len()).collect();
     order.sort_unstable_by(|&a, &b| call.check[a].cmp(&call.check[b]).then(a.cmp(&b)));
-    let recorded: std::collections::HashSet<&KeyId> = call.record.iter().collect();
+    let recorded: HashSet<&KeyId> = call.record.iter().collect();
     let mut previous: Option<&KeyId> = None;
     for &i in &order {
         let id = &call.check[i];
@@ -142,15 +162,15 @@ pub(crate) fn apply(
         if recorded.contains(id) {
             continue; // stored by this very call
         }
-        encode_member(id, &call.namespace, &mut key);
-        answers[i] = if txn.set_get(&key, &mut value)? {
-            match decode_expiry(&value) {
-                Ok(expires_at_ms) => expires_at_ms <= now_ms,
-                // Never "absent": an operator must look (or start a fresh ledger).
-                Err(e) => return Ok(Err(Unreadable(format!("{}: {e}", hex(&key))))),
-            }
+        answers[i] = if forgotten.contains(id) {
+            true // removed by this very call, before the lookups
         } else {
-            true
+            encode_member(id, &call.namespace, &mut key);
+            match stored_expiry(txn, &key, &mut value)? {
+                Ok(Some(expires_at_ms)) => expires_at_ms <= now_ms,
+                Ok(None) => true,
+                Err(e) => return Ok(Err(e)),
+            }
         };
         if answers[i] {
             if let Some(gate_key) = call.gate_keys.get(i) {
@@ -162,6 +182,11 @@ pub(crate) fn apply(
         }
     }
     let mut wrote = false;
+    for id in forgotten {
+        encode_member(id, &call.namespace, &mut key);
+        txn.set_remove(&key)?;
+        wrote = true;
+    }
     for id in &call.record {
         encode_member(id, &call.namespace, &mut key);
         txn.set_put(&key, &expires)?;
@@ -177,6 +202,21 @@ pub(crate) fn apply(
         }
     }
     Ok(Ok(wrote))
+}
+
+/// The expiry of the member stored under `key` (`None`: absent). A value this build cannot read
+/// is [`Unreadable`], never "absent": an operator must look (or start a fresh ledger).
+fn stored_expiry(
+    txn: &mut dyn Txn,
+    key: &[u8],
+    value: &mut Vec<u8>,
+) -> Result<Result<Option<u64>, Unreadable>, EngineError> {
+    if !txn.set_get(key, value)? {
+        return Ok(Ok(None));
+    }
+    Ok(decode_expiry(value)
+        .map(Some)
+        .map_err(|e| Unreadable(format!("{}: {e}", hex(key)))))
 }
 
 /// Whether the gate record of `gate_key` is live and would make a claim of it a duplicate

@@ -554,12 +554,13 @@ impl EmbeddedStore {
     }
 
     /// Runs one call on the key set (see [`crate::keyset`]): one bool per key of `call.check`,
-    /// true when it was new. Answered after the call's writes are fsync'd; an unreadable member
-    /// fails the call with [`StoreError::Corrupt`] and writes nothing.
+    /// true when it was new, then one per key of `call.forget`, true when a live member was
+    /// removed. Answered after the call's writes are fsync'd; an unreadable member fails the
+    /// call with [`StoreError::Corrupt`] and writes nothing.
     pub async fn key_set(&self, call: KeySetCall) -> Result<Vec<bool>, GateError> {
         call.validate()?;
         self.check_available()?;
-        if call.check.is_empty() && call.record.is_empty() {
+        if call.check.is_empty() && call.record.is_empty() && call.forget.is_empty() {
             return Ok(Vec::new());
         }
         let (reply, rx) = oneshot::channel();

@@ -30,6 +30,7 @@ fn call(ns: &str, record: Vec<KeyId>, check: Vec<KeyId>, record_new: bool) -> Ke
         record_new,
         gate_keys: Vec::new(),
         ttl_ms: TTL_MS,
+        forget: Vec::new(),
     }
 }
 
@@ -126,6 +127,60 @@ async fn a_repeat_within_one_call_is_new_once_and_namespaces_are_apart() {
         .await
         .unwrap();
     assert_eq!(other, vec![true], "another namespace has its own keys");
+}
+
+/// `forget` removes members (an operator's `dedupgate forget`): their answers say which were
+/// live, the next sighting of each is new, other keys and namespaces are untouched, and the
+/// removal survives a reopen.
+#[tokio::test]
+async fn forgotten_keys_are_new_again_and_stay_forgotten_after_a_reopen() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let store = open(tmp.path(), &clock);
+    store
+        .key_set(call("p", vec![], ids(0..10), true))
+        .await
+        .unwrap();
+    store
+        .key_set(call("q", vec![], ids(0..10), true))
+        .await
+        .unwrap();
+    let mut forget = call("p", vec![], vec![], false);
+    // Two live keys, one never stored.
+    forget.forget = vec![id(3), id(7), id(99)];
+    assert_eq!(
+        store.key_set(forget).await.unwrap(),
+        vec![true, true, false]
+    );
+    drop(store);
+    let store = open(tmp.path(), &clock);
+    let p = store
+        .key_set(call("p", vec![], ids(0..10), false))
+        .await
+        .unwrap();
+    let new: Vec<usize> = (0..10).filter(|&i| p[i]).collect();
+    assert_eq!(new, vec![3, 7], "only the forgotten keys are new");
+    let q = store
+        .key_set(call("q", vec![], ids(0..10), false))
+        .await
+        .unwrap();
+    assert_eq!(q, vec![false; 10], "another namespace is untouched");
+
+    // Forgotten and checked in one call: forgotten first, so new (and stored again).
+    let mut both = call("p", vec![], vec![id(1)], true);
+    both.forget = vec![id(1)];
+    assert_eq!(store.key_set(both).await.unwrap(), vec![true, true]);
+    let again = store
+        .key_set(call("p", vec![], vec![id(1)], false))
+        .await
+        .unwrap();
+    assert_eq!(again, vec![false], "recorded again by the same call");
+
+    // An expired member is removed too, but was not live.
+    clock.advance(TTL_MS);
+    let mut expired = call("p", vec![], vec![], false);
+    expired.forget = vec![id(0)];
+    assert_eq!(store.key_set(expired).await.unwrap(), vec![false]);
 }
 
 #[tokio::test]
