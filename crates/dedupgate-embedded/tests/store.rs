@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dedupgate_core::{
     Claim, GateError, ManualClock, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError,
@@ -99,8 +99,25 @@ fn raw_put(dir: &Path, partition: &str, key: &[u8], value: &[u8]) {
     ks.persist(fjall::PersistMode::SyncAll).unwrap();
 }
 
-fn open(dir: &Path) -> Result<EmbeddedStore, OpenError> {
+/// One attempt: `Locked` while anyone holds the directory.
+fn try_open(dir: &Path) -> Result<EmbeddedStore, OpenError> {
     EmbeddedStore::open(dir, EmbeddedOptions::default())
+}
+
+/// Opens `dir`, waiting up to 10 s while its lock is held. A store this process dropped has
+/// closed its lock file, but a child process that another test thread is starting at that moment
+/// holds a copy of every descriptor (the lock's too) until its exec closes them. Found by CI:
+/// `a_second_open_of_the_same_directory_is_refused` saw the lock of the store it had just dropped.
+fn open(dir: &Path) -> Result<EmbeddedStore, OpenError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match try_open(dir) {
+            Err(OpenError::Locked { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            result => return result,
+        }
+    }
 }
 
 #[tokio::test]
@@ -201,7 +218,7 @@ async fn the_clock_never_starts_below_the_persisted_high_water_mark() {
 async fn a_second_open_of_the_same_directory_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path()).unwrap();
-    let err = open(tmp.path()).unwrap_err();
+    let err = try_open(tmp.path()).unwrap_err();
     assert!(matches!(err, OpenError::Locked { .. }), "{err}");
     assert!(err.to_string().contains("in use by another process"));
     drop(store);
@@ -222,7 +239,7 @@ fn concurrent_first_opens_of_a_new_directory_get_the_store_or_the_lock() {
                 let (dir, barrier) = (dir.clone(), barrier.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    open(&dir)
+                    try_open(&dir)
                 })
             })
             .collect::<Vec<_>>()
@@ -249,7 +266,7 @@ fn lock_child_process_entry() {
     let Ok(dir) = std::env::var("DG_LOCK_CHILD_DIR") else {
         return;
     };
-    match open(Path::new(&dir)) {
+    match try_open(Path::new(&dir)) {
         Ok(_) => println!("CHILD-OPENED"),
         Err(e) => println!("CHILD-ERROR {e}"),
     }
@@ -900,6 +917,7 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
         record_new: true,
         gate_keys: Vec::new(),
         ttl_ms: DAY_MS,
+        forget: Vec::new(),
     };
     assert_eq!(store.key_set(call).await.unwrap(), vec![true]);
     drop(store);
