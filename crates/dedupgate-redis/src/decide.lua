@@ -9,9 +9,11 @@
 --   c ttl_ms lease_ms n new_token*n                  n claims without fingerprint or owner
 --                                                    (on the next n keys)
 --   C ttl_ms lease_ms fingerprint owner new_token    claim
---   M ttl_ms fingerprint result_json                 mark
+--   M ttl_ms fingerprint result_json nonce           mark (nonce: fresh per call, kept as the
+--                                                    record's token so a resend knows its own)
 --   K token result_json ttl_ms                       complete
---   R token                                          release
+--   R token nonce                                    release (nonce: fresh per call, kept in the
+--                                                    tombstone's result slot, which no answer shows)
 --   X token lease_ms                                 extend
 --   G                                                get
 --   F                                                forget
@@ -125,7 +127,9 @@ local function claim(r, cur, exp, lease_exp, fp, owner, token)
     return take()
   elseif mismatch(live.p, fp) then
     return {'E', 'fingerprint_mismatch'}
-  elseif live.s == 'i' and owner and live.o == owner then
+  elseif live.s == 'i' and (live.t == token or (owner and live.o == owner)) then
+    -- The same owner claiming again, or this very call run a second time (its token is fresh
+    -- per call, so only a resend of the call can find it): the claim is the caller's own.
     local renewed = copy(live)
     renewed.l = lease_exp
     renewed.e = math.max(live.e, lease_exp)
@@ -198,12 +202,13 @@ while i <= nkeys do
     end
 
   elseif code == 'M' then
-    local ttl_ms, fp, result = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
-    a = a + 4
+    local ttl_ms, fp, result, nonce = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+    a = a + 5
     if fp == '' then fp = false end
     if result == '' then result = false end
+    if nonce == '' then nonce = false end
     local function new(f)
-      return {s = 'c', f = f, t = false, p = fp, o = false, c = now, e = now + ttl_ms, l = false,
+      return {s = 'c', f = f, t = nonce, p = fp, o = false, c = now, e = now + ttl_ms, l = false,
               d = now, r = result}
     end
     local old = call('SET', r, enc(new(fresh_fence)), 'NX', 'GET', 'PXAT', now + ttl_ms + keep)
@@ -220,6 +225,8 @@ while i <= nkeys do
       end
       if not live then
         reply = set()
+      elseif nonce and live.s == 'c' and live.t == nonce then
+        reply = record('M', live) -- this very call run a second time: its own mark
       elseif mismatch(live.p, fp) then
         reply = {'E', 'fingerprint_mismatch'}
       elseif live.s == 'i' and lease_passed(live) then
@@ -261,22 +268,20 @@ while i <= nkeys do
       end
 
     elseif code == 'R' then
-      local token = ARGV[a + 1]
-      a = a + 2
-      if present and present.t == token then
-        if present.s == 'i' then
-          local tomb = copy(present)
-          tomb.s = 'r'
-          tomb.l = false
-          tomb.r = false
-          put(r, tomb)
-          reply = {'R'}
-        elseif present.s == 'r' then
-          reply = {'R'}
-        else
-          reply = {'E', 'lease_lost'}
-        end
+      local token, nonce = ARGV[a + 1], ARGV[a + 2]
+      a = a + 3
+      if nonce == '' then nonce = false end
+      if present and present.t == token and present.s == 'i' then
+        local tomb = copy(present)
+        tomb.s = 'r'
+        tomb.l = false
+        tomb.r = nonce
+        put(r, tomb)
+        reply = {'R'}
+      elseif nonce and present and present.s == 'r' and present.t == token and present.r == nonce then
+        reply = {'R'} -- this very call run a second time: its own release
       else
+        -- Released or completed already, taken over, expired or never issued: not the holder.
         reply = {'E', 'lease_lost'}
       end
 

@@ -8,7 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dedupgate_core::decide::FENCE_PER_MS;
 use dedupgate_core::{
-    Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError, Token,
+    Claim, CoalesceLimits, Coalescer, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State,
+    Store, StoreError, Token,
 };
 use futures::stream::{self, StreamExt};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -16,7 +17,6 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, Pipeline, Value};
-use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::keys::{record_keys, RecordKeys};
 use crate::options::{cluster_nodes, redact, RedisOptions};
@@ -137,7 +137,7 @@ impl ClusterHandle {
 /// waits for a batch to fill.
 pub struct RedisStore {
     inner: Arc<Inner>,
-    queue: Option<mpsc::Sender<Job>>,
+    coalescer: Option<Coalescer>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -152,49 +152,6 @@ const QUEUE_OPS_MAX: usize = 4_096;
 /// that wait for a slot share the next call (under 50 concurrent callers, 4 gave ~8 ops per
 /// call and less CPU per op on both sides than 16, at ~2 ops per call).
 const COALESCED_IN_FLIGHT_MAX: usize = 4;
-
-/// One caller's operation waiting to be coalesced.
-struct Job {
-    id: RecordId,
-    op: Op,
-    reply: oneshot::Sender<Result<Outcome, GateError>>,
-}
-
-/// Takes queued single operations and sends them as batches: each batch takes whatever queued
-/// while it waited for an in-flight slot (never waiting for more), up to one script call's worth.
-async fn coalesce(inner: Arc<Inner>, mut queue: mpsc::Receiver<Job>) {
-    let in_flight = Arc::new(Semaphore::new(COALESCED_IN_FLIGHT_MAX));
-    while let Some(first) = queue.recv().await {
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
-            return;
-        };
-        let mut jobs = vec![first];
-        while jobs.len() < inner.opts.script_ops_max {
-            match queue.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
-            }
-        }
-        let inner = inner.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let mut replies = Vec::with_capacity(jobs.len());
-            let ops = jobs
-                .into_iter()
-                .map(|j| {
-                    replies.push(j.reply);
-                    (j.id, j.op)
-                })
-                .collect();
-            for (reply, answer) in replies
-                .into_iter()
-                .zip(inner.decide_batch(ops, BatchPath::Script).await)
-            {
-                let _ = reply.send(answer);
-            }
-        });
-    }
-}
 
 /// The connection and what every call needs.
 struct Inner {
@@ -220,8 +177,17 @@ struct Prepared {
     id: RecordId,
     keys: RecordKeys,
     op: Op,
-    /// A claim's fresh token, which the script keeps only if it creates a claim.
+    /// See [`call_token`].
     token: Option<Token>,
+}
+
+/// A claim's, mark's or release's token drawn for this call: a claim keeps it only if it
+/// creates a claim, a mark keeps it hidden in the record it creates, a release in the
+/// tombstone it leaves. Fresh per call, so a call that finds its own token was sent twice (a
+/// cluster client resends a pipeline after a lost connection or a redirect) and is answered as
+/// its first run was: never as a duplicate of itself, and a release never as `lease_lost`.
+fn call_token(op: &Op) -> Option<Token> {
+    matches!(op, Op::Claim { .. } | Op::Mark { .. } | Op::Release { .. }).then(Token::generate)
 }
 
 impl RedisStore {
@@ -286,16 +252,23 @@ impl RedisStore {
         inner.check_eviction_policy(&shown).await?;
         inner.check_version(&shown).await?;
         let inner = Arc::new(inner);
-        let queue = match inner.conn {
+        let coalescer = match inner.conn {
             Conn::Single(_) => {
-                let (tx, rx) = mpsc::channel(QUEUE_OPS_MAX);
-                tokio::spawn(coalesce(inner.clone(), rx));
-                Some(tx)
+                let limits = CoalesceLimits {
+                    queue_max: QUEUE_OPS_MAX,
+                    in_flight_max: COALESCED_IN_FLIGHT_MAX,
+                    batch_max: inner.opts.script_ops_max,
+                };
+                let inner = inner.clone();
+                Some(Coalescer::spawn(limits, move |ops| {
+                    let inner = inner.clone();
+                    async move { inner.decide_batch(ops, BatchPath::Script).await }
+                }))
             }
             // On a cluster, concurrent single ops mostly fall in different slots: nothing to share.
             Conn::Cluster(_) => None,
         };
-        Ok(Self { inner, queue })
+        Ok(Self { inner, coalescer })
     }
 
     /// The options in force.
@@ -557,7 +530,7 @@ impl Inner {
                 Ok(()) => {
                     answers.push(None);
                     let keys = record_keys(&self.opts.key_prefix, &id);
-                    let token = matches!(op, Op::Claim { .. }).then(fresh_token);
+                    let token = call_token(&op);
                     prepared.push(Prepared {
                         index,
                         id,
@@ -924,7 +897,7 @@ fn time_ms(v: &Value) -> Option<u64> {
 /// Writes to `out` the record `decide.lua` writes for a new claim or mark of a key that does
 /// not exist, decided at `now_ms`, byte for byte (the script's `enc`: a MessagePack array of
 /// 10 as Redis's cmsgpack packs it, `false` for none; see the script's header). Returns the
-/// record's `expires_at_ms`, or `None` for other ops (and a claim without its fresh token).
+/// record's `expires_at_ms`, or `None` for other ops (and a claim or mark without its fresh token).
 fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) -> Option<u64> {
     const FALSE: u8 = 0xc2;
     fn text(out: &mut Vec<u8>, s: &[u8]) {
@@ -995,11 +968,12 @@ fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) 
             fingerprint,
             result,
         } => {
+            let token = token?;
             let expires_at_ms = now_ms + ttl_ms;
             out.push(0x9a);
             text(out, b"c");
             int(out, fence);
-            out.push(FALSE);
+            text(out, token.as_str().as_bytes());
             opt_text(out, fingerprint.as_deref());
             out.push(FALSE);
             int(out, now_ms);
@@ -1151,20 +1125,6 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
-/// A new claim's token: 16 bytes from the thread's CSPRNG (ChaCha, seeded and reseeded from
-/// the operating system), as 32 hex digits like [`Token::generate`], without its `getrandom`
-/// system call per claim.
-fn fresh_token() -> Token {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bytes: [u8; 16] = rand::Rng::gen(&mut rand::thread_rng());
-    let mut text = String::with_capacity(32);
-    for b in bytes {
-        text.push(char::from(HEX[usize::from(b >> 4)]));
-        text.push(char::from(HEX[usize::from(b & 0xf)]));
-    }
-    Token::new(text)
-}
-
 /// A claim without fingerprint or owner: its ttl and lease.
 fn plain_claim(op: &Op) -> Option<(u64, u64)> {
     match op {
@@ -1179,7 +1139,7 @@ fn plain_claim(op: &Op) -> Option<(u64, u64)> {
 }
 
 /// Pushes a non-plain op's code and its arguments (see `decide.lua`; '' stands for none). `token` is a
-/// claim's fresh token.
+/// claim's, mark's or release's token for this call ([`call_token`]).
 fn push_op_args(cmd: &mut Cmd, op: &Op, token: Option<&Token>) {
     fn opt(s: &Option<String>) -> &str {
         s.as_deref().unwrap_or("")
@@ -1209,7 +1169,8 @@ fn push_op_args(cmd: &mut Cmd, op: &Op, token: Option<&Token>) {
             cmd.arg("M")
                 .arg(*ttl_ms)
                 .arg(opt(fingerprint))
-                .arg(json(result));
+                .arg(json(result))
+                .arg(fresh);
         }
         Op::Complete {
             token,
@@ -1222,7 +1183,7 @@ fn push_op_args(cmd: &mut Cmd, op: &Op, token: Option<&Token>) {
                 .arg(ttl_ms.map(|t| t.to_string()).unwrap_or_default());
         }
         Op::Release { token } => {
-            cmd.arg("R").arg(token.as_str());
+            cmd.arg("R").arg(token.as_str()).arg(fresh);
         }
         Op::Extend { token, lease_ms } => {
             cmd.arg("X").arg(token.as_str()).arg(*lease_ms);
@@ -1394,18 +1355,8 @@ impl Store for RedisStore {
         if let Err(e) = op.validate() {
             return Err(GateError::Invalid(e));
         }
-        if let Some(queue) = &self.queue {
-            let (reply, answer) = oneshot::channel();
-            if queue.send(Job { id, op, reply }).await.is_ok() {
-                return answer.await.unwrap_or_else(|_| {
-                    Err(GateError::Store(StoreError::Unavailable(
-                        "the coalescing task stopped".to_owned(),
-                    )))
-                });
-            }
-            return Err(GateError::Store(StoreError::Unavailable(
-                "the coalescing task stopped".to_owned(),
-            )));
+        if let Some(coalescer) = &self.coalescer {
+            return coalescer.apply(id, op).await;
         }
         self.inner
             .decide_batch(vec![(id, op)], BatchPath::Script)
@@ -1459,7 +1410,186 @@ impl Store for RedisStore {
 
 #[cfg(test)]
 mod tests {
-    use super::too_old;
+    use super::*;
+    use crate::testkit::{shared_redis_url, RedisCluster};
+
+    fn prepared(index: usize, ns: &str, key: &str, op: Op) -> Prepared {
+        let id = RecordId::new(ns, key).expect("a valid id");
+        Prepared {
+            index,
+            keys: record_keys("dg", &id),
+            id,
+            token: call_token(&op),
+            op,
+        }
+    }
+
+    /// The ops below, each with the token `tokens` gives (or a fresh one).
+    fn ops(ns: &str, tokens: Option<&[Option<Token>]>) -> Vec<Prepared> {
+        let claim = |fingerprint: Option<&str>, owner: Option<&str>| Op::Claim {
+            ttl_ms: 60_000,
+            lease_ms: 30_000,
+            fingerprint: fingerprint.map(str::to_owned),
+            owner: owner.map(str::to_owned),
+        };
+        let mark = |fingerprint: Option<&str>| Op::Mark {
+            ttl_ms: 60_000,
+            fingerprint: fingerprint.map(str::to_owned),
+            result: Some(serde_json::json!({"n": 1})),
+        };
+        let all = [
+            claim(None, None),
+            claim(None, None),
+            claim(Some("fp"), None),
+            claim(None, Some("worker-1")),
+            mark(None),
+            mark(Some("fp")),
+        ];
+        all.into_iter()
+            .enumerate()
+            .map(|(i, op)| {
+                let mut p = prepared(i, ns, &format!("k{i}"), op);
+                if let Some(tokens) = tokens {
+                    p.token = tokens[i].clone();
+                }
+                p
+            })
+            .collect()
+    }
+
+    fn new_answer(r: &Result<Outcome, GateError>) -> (Option<Token>, u64, Option<Record>) {
+        match r {
+            Ok(Outcome::Claimed(Claim::New(lease))) => {
+                (Some(lease.token.clone()), lease.fence, None)
+            }
+            Ok(Outcome::Marked(Mark::New { record })) => (None, record.fence, Some(record.clone())),
+            other => panic!("not new: {other:?}"),
+        }
+    }
+
+    fn sorted(mut v: Vec<(usize, Result<Outcome, GateError>)>) -> Vec<Result<Outcome, GateError>> {
+        v.sort_by_key(|(i, _)| *i);
+        v.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// A call sent twice (what a cluster client does after a lost connection or a redirect
+    /// when the first send did run) answers the second time as it did the first: the same
+    /// claim (token and fence) or the same mark, never a duplicate of itself. The same ops
+    /// with other tokens, as from another caller, are duplicates.
+    async fn resent_calls_get_their_own_answer(store: &RedisStore, ns: &str) {
+        let inner = &store.inner;
+        // Through the script: the same EVALSHA twice.
+        let script_ops = ops(&format!("{ns}.script"), None);
+        let tokens: Vec<Option<Token>> = script_ops.iter().map(|p| p.token.clone()).collect();
+        let first = sorted(inner.decide_script(script_ops).await);
+        let again = sorted(
+            inner
+                .decide_script(ops(&format!("{ns}.script"), Some(&tokens)))
+                .await,
+        );
+        // Through the fast path: the same native SETs twice, whose second run finds the
+        // records and goes on to the script.
+        let fast_ops = ops(&format!("{ns}.fast"), None);
+        let fast_tokens: Vec<Option<Token>> = fast_ops.iter().map(|p| p.token.clone()).collect();
+        let (decided, found) = inner.claim_fresh(fast_ops).await;
+        assert!(found.is_empty(), "fresh keys found: {}", found.len());
+        let fast_first = sorted(decided);
+        let (decided, found) = inner
+            .claim_fresh(ops(&format!("{ns}.fast"), Some(&fast_tokens)))
+            .await;
+        assert!(
+            decided.is_empty(),
+            "a resent SET NX decided {} ops",
+            decided.len()
+        );
+        let fast_again = sorted(inner.decide_script(found).await);
+
+        for (first, again) in [(first, again), (fast_first, fast_again)] {
+            for (i, (a, b)) in first.iter().zip(&again).enumerate() {
+                let (token_a, fence_a, record_a) = new_answer(a);
+                let (token_b, fence_b, record_b) = new_answer(b);
+                assert_eq!(token_a, token_b, "op {i}");
+                assert_eq!(fence_a, fence_b, "op {i}");
+                assert_eq!(record_a, record_b, "op {i}");
+            }
+        }
+
+        // A release sent twice is released both times; a second release by the holder, a call
+        // of its own, is `lease_lost` (API.md: a released token is not the holder's).
+        let rel = format!("{ns}.release");
+        let claim = Op::Claim {
+            ttl_ms: 60_000,
+            lease_ms: 30_000,
+            fingerprint: None,
+            owner: None,
+        };
+        let claimed = sorted(
+            inner
+                .decide_script(vec![prepared(0, &rel, "k", claim)])
+                .await,
+        );
+        let (Some(token), _, _) = new_answer(&claimed[0]) else {
+            panic!("a claim without a token");
+        };
+        let release = |nonce: &Token| {
+            let mut p = prepared(
+                0,
+                &rel,
+                "k",
+                Op::Release {
+                    token: token.clone(),
+                },
+            );
+            p.token = Some(nonce.clone());
+            p
+        };
+        let nonce = Token::generate();
+        for run in ["first run", "resent"] {
+            let answer = sorted(inner.decide_script(vec![release(&nonce)]).await);
+            assert!(
+                matches!(answer[0], Ok(Outcome::Released)),
+                "{run}: {answer:?}"
+            );
+        }
+        let again = sorted(inner.decide_script(vec![release(&Token::generate())]).await);
+        assert!(matches!(again[0], Err(GateError::LeaseLost)), "{again:?}");
+
+        // Another caller's calls (fresh tokens) on the same keys are duplicates.
+        for ns in [format!("{ns}.script"), format!("{ns}.fast")] {
+            for r in sorted(inner.decide_script(ops(&ns, None)).await)
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != 3)
+                .map(|(_, r)| r)
+            {
+                assert!(
+                    matches!(
+                        r,
+                        Ok(Outcome::Claimed(Claim::Duplicate { .. }))
+                            | Ok(Outcome::Marked(Mark::Duplicate { .. }))
+                    ),
+                    "{ns}: {r:?}"
+                );
+            }
+        }
+    }
+
+    fn unique_ns(what: &str) -> String {
+        format!("resend.{what}.{}", Token::generate().as_str())
+    }
+
+    #[tokio::test]
+    async fn a_resent_call_is_not_its_own_duplicate_on_one_server() {
+        let store = RedisStore::open(&shared_redis_url()).await.expect("open");
+        resent_calls_get_their_own_answer(&store, &unique_ns("single")).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resent_call_is_not_its_own_duplicate_on_a_cluster() {
+        let cluster = RedisCluster::start().expect("start a cluster");
+        let store = RedisStore::open(&cluster.url()).await.expect("open");
+        resent_calls_get_their_own_answer(&store, &unique_ns("cluster")).await;
+    }
 
     #[test]
     fn servers_before_7_0_are_too_old() {
