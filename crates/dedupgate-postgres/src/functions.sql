@@ -261,8 +261,9 @@ BEGIN
 END
 $$;
 
--- Release: the holder gives the key back; the entry becomes a tombstone that keeps fence and
--- token, so a retried release is answered and the next claim's fence is higher.
+-- Release: the holder gives the key back; the entry becomes a tombstone that keeps the fence,
+-- so the next claim's fence is higher. A released token is no longer the holder's: a second
+-- release answers lease_lost (API.md).
 CREATE FUNCTION {s}.dedupgate_release(p_ns bytea, p_key bytea, p_token bytea)
 RETURNS {s}.dedupgate_answer
 LANGUAGE plpgsql VOLATILE AS $$
@@ -274,14 +275,12 @@ BEGIN
         WHERE namespace = p_ns AND key = p_key FOR UPDATE;
     v_now := {s}.dedupgate_now_ms();
     IF NOT FOUND OR r.expires_at_ms <= v_now OR r.token IS NULL OR r.token <> p_token
-       OR r.state = 1 THEN
+       OR r.state <> 0 THEN
         RETURN ROW(4::smallint, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                    NULL)::{s}.dedupgate_answer;
     END IF;
-    IF r.state = 0 THEN
-        UPDATE {s}.dedupgate_records SET state = 2, lease_expires_at_ms = NULL, result = NULL
-        WHERE namespace = p_ns AND key = p_key;
-    END IF;
+    UPDATE {s}.dedupgate_records SET state = 2, lease_expires_at_ms = NULL, result = NULL
+    WHERE namespace = p_ns AND key = p_key;
     RETURN ROW(1::smallint, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                    NULL)::{s}.dedupgate_answer;
 END
