@@ -42,9 +42,11 @@ use serde_json::{json, Value};
 ///   retried claim whose first answer was lost gets the same token and fence back instead of
 ///   locking its own caller out as a duplicate (API.md: "a claim naming the same owner as the
 ///   current holder answers new again").
-/// - `complete` and `release` retried with the token that already did them are answered again
-///   without a change; `extend` just renews the lease once more; `get` and `forget` are
-///   naturally idempotent.
+/// - `complete` retried with the token that already did it is answered again without a change;
+///   `release` retried after its first try did it answers `lease_lost` (API.md: a released
+///   token is no longer the holder's), so the client then looks the key up and reports the
+///   release done when no live record holds the key; `extend` just renews the lease once more;
+///   `get` and `forget` are naturally idempotent.
 /// - `mark` retried after a lost answer answers `duplicate`: the caller skips the work. That is
 ///   the at-most-once promise of the idempotent ordering, never a second run.
 /// - `batch` items are each one of the above.
@@ -127,7 +129,7 @@ pub enum ClientError {
     #[error("{} {}: {}", .0.status, .0.code, .0.detail)]
     Rejected(Problem),
     /// The server could not be reached or its answer was lost, after the retries.
-    #[error("transport: {0}")]
+    #[error("transport error (the server could not be reached, or its answer was lost)")]
     Transport(#[source] reqwest::Error),
     /// The base URL is unusable or the answer is not what API.md says.
     #[error("protocol: {0}")]
@@ -218,16 +220,19 @@ impl Client {
     }
 
     /// Sends a request, retrying as [`RetryPolicy`] says; returns the status and body of the
-    /// last answer that was not a 503 (or the 503's problem when the retries ran out).
+    /// last answer that was not a 503 (or the 503's problem when the retries ran out), and
+    /// whether an earlier try may have reached the server (its answer was lost, or it timed
+    /// out), so that the answer may be to a repeat of a call that already took effect.
     async fn send(
         &self,
         method: Method,
         path: &str,
         query: Option<[(&str, &str); 2]>,
         body: Option<Vec<u8>>,
-    ) -> Result<(StatusCode, bytes::Bytes), ClientError> {
+    ) -> (Result<(StatusCode, bytes::Bytes), ClientError>, bool) {
         let url = format!("{}{path}", self.base);
         let mut retry = 0u32;
+        let mut repeated = false;
         loop {
             let mut request = self.http.request(method.clone(), &url);
             if let Some(q) = &query {
@@ -259,6 +264,7 @@ impl Client {
                         Err(e) if last => (None, Some(Err(ClientError::Transport(e)))),
                         Err(e) => {
                             tracing::debug!(path, retry, error = %e, "answer lost; retrying");
+                            repeated = true;
                             (None, None)
                         }
                     }
@@ -268,11 +274,13 @@ impl Client {
                 }
                 Err(e) => {
                     tracing::debug!(path, retry, error = %e, "transport error; retrying");
+                    // A refused connection sent nothing; a timeout may have been decided.
+                    repeated |= !e.is_connect();
                     (None, None)
                 }
             };
             if let Some(outcome) = outcome {
-                return outcome;
+                return (outcome, repeated);
             }
             tokio::time::sleep(self.retry.backoff(retry, retry_after)).await;
             retry += 1;
@@ -286,13 +294,29 @@ impl Client {
         query: Option<[(&str, &str); 2]>,
         body: Option<Value>,
     ) -> Result<Value, ClientError> {
+        self.call_repeated(method, path, query, body).await.0
+    }
+
+    /// [`Client::call`], and whether the answer may be to a repeat of a call that already took
+    /// effect (see [`Client::send`]).
+    async fn call_repeated(
+        &self,
+        method: Method,
+        path: &str,
+        query: Option<[(&str, &str); 2]>,
+        body: Option<Value>,
+    ) -> (Result<Value, ClientError>, bool) {
         let body = body.map(|b| serde_json::to_vec(&b).expect("JSON values serialize"));
-        let (status, bytes) = self.send(method, path, query, body).await?;
-        if status.is_success() {
-            return serde_json::from_slice(&bytes)
-                .map_err(|e| ClientError::Protocol(format!("answer is not JSON: {e}")));
-        }
-        Err(problem_error(status, &bytes))
+        let (sent, repeated) = self.send(method, path, query, body).await;
+        let answer = sent.and_then(|(status, bytes)| {
+            if status.is_success() {
+                serde_json::from_slice(&bytes)
+                    .map_err(|e| ClientError::Protocol(format!("answer is not JSON: {e}")))
+            } else {
+                Err(problem_error(status, &bytes))
+            }
+        });
+        (answer, repeated)
     }
 
     async fn post(&self, path: &str, body: Value) -> Result<Value, ClientError> {
@@ -334,6 +358,11 @@ impl Client {
     }
 
     /// `POST /v1/release`: the key is free again.
+    ///
+    /// A release is `lease_lost` once its token has released (API.md), so a retry whose first
+    /// try did release, with its answer lost, is `lease_lost` too. Only then the client looks
+    /// the key up: no live record means the key is free, which is what the release was for,
+    /// and the call succeeds; a live record (someone else's claim) keeps the `lease_lost`.
     pub async fn release(
         &self,
         namespace: &str,
@@ -341,7 +370,18 @@ impl Client {
         token: &Token,
     ) -> Result<(), ClientError> {
         let body = json!({"namespace": namespace, "key": key, "token": token.as_str()});
-        let answer = self.post("/v1/release", body).await?;
+        let answer = match self
+            .call_repeated(Method::POST, "/v1/release", None, Some(body))
+            .await
+        {
+            (Err(ClientError::Gate(GateError::LeaseLost)), true) => {
+                return match self.get(namespace, key).await? {
+                    None => Ok(()),
+                    Some(_) => Err(ClientError::Gate(GateError::LeaseLost)),
+                };
+            }
+            (answer, _) => answer?,
+        };
         match answer.get("released") {
             Some(Value::Bool(true)) => Ok(()),
             _ => Err(ClientError::Protocol(format!(

@@ -495,3 +495,96 @@ fn unavailable_while_the_store_is_down_and_back_after() {
             == 200
     });
 }
+
+/// A loopback relay in front of the real server that passes every connection through, but for
+/// the first: that one's request reaches the server and its answer is dropped (the connection
+/// is closed once the server has answered), as when a network loses an answer.
+struct AnswerLosingRelay {
+    addr: std::net::SocketAddr,
+    dropped: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl AnswerLosingRelay {
+    fn start(upstream: std::net::SocketAddr) -> Self {
+        use std::io::Read;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let dropped = std::sync::Arc::new(AtomicUsize::new(0));
+        let count = dropped.clone();
+        std::thread::spawn(move || {
+            for (n, client) in listener.incoming().enumerate() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(upstream) else {
+                    return;
+                };
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    })
+                };
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
+                if n == 0 {
+                    // Wait for the server's answer, then close both sides without passing it on.
+                    let mut server = server;
+                    let mut first = [0u8; 1];
+                    if server.read(&mut first).unwrap_or(0) > 0 {
+                        std::thread::sleep(Duration::from_millis(100));
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    let _ = server.shutdown(std::net::Shutdown::Both);
+                } else {
+                    pipe(server, client);
+                }
+            }
+        });
+        Self { addr, dropped }
+    }
+}
+
+/// A release whose answer was lost: the client's retry is `lease_lost` (API.md: the token has
+/// released), so the client looks the key up and, finding it free, reports the release done;
+/// the key is free for the next claim. A release whose key someone else holds stays
+/// `lease_lost`.
+#[test]
+fn a_release_whose_answer_was_lost_is_reported_done_by_the_retrying_client() {
+    use dedupgate_client::Client;
+    use dedupgate_core::{GateError, Token};
+    let s = serve(&["--store", "memory:"]);
+    let claim = |key: &str| {
+        let r = s.post_json("/v1/claim", &json!({"namespace": "rel", "key": key}));
+        r.json()["token"].as_str().unwrap().to_owned()
+    };
+    let relay = AnswerLosingRelay::start(s.addr);
+    let client = Client::new(&format!("http://{}", relay.addr)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let token = Token::new(claim("lost-answer"));
+    rt.block_on(client.release("rel", "lost-answer", &token))
+        .expect("released: the retry finds the key free");
+    assert_eq!(
+        relay.dropped.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the first answer was dropped"
+    );
+    // The wire contract itself: the same release again is lease_lost.
+    let again = s.post_json(
+        "/v1/release",
+        &json!({"namespace": "rel", "key": "lost-answer", "token": token.as_str()}),
+    );
+    assert_eq!(again.status, 409);
+    assert_eq!(claim("lost-answer").len(), 32, "the key is free again");
+    // Someone else's claim: the stale token's release is lease_lost, through the client too.
+    let stale = rt.block_on(client.release("rel", "lost-answer", &token));
+    assert!(
+        matches!(
+            stale,
+            Err(dedupgate_client::ClientError::Gate(GateError::LeaseLost))
+        ),
+        "{stale:?}"
+    );
+}
