@@ -327,34 +327,11 @@ fn header_name(h: &str) -> Result<HeaderName, ConfigError> {
         .map_err(|_| ConfigError::Invalid(format!("bad header name {h:?}")))
 }
 
-/// Parses a duration with a unit: `500ms`, `30s`, `5m`, `24h`, `7d` (API.md "Command line").
+/// Parses a duration with the one grammar of every dedupgate duration
+/// ([`dedupgate_core::parse_duration_ms`]: `500ms`, `30s`, `5m`, `24h`, `7d`, sums such as
+/// `1h30m`; a bare number is refused).
 pub fn parse_duration_ms(text: &str) -> Result<u64, ConfigError> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).ok_or_else(|| {
-        ConfigError::Invalid(format!("duration {text:?} needs a unit (ms, s, m, h, d)"))
-    })?;
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| ConfigError::Invalid(format!("duration {text:?}: bad number")))?;
-    let scale = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => {
-            return Err(ConfigError::Invalid(format!(
-                "duration {text:?}: unknown unit {unit:?}"
-            )))
-        }
-    };
-    match n.checked_mul(scale) {
-        Some(ms) if ms > 0 => Ok(ms),
-        _ => Err(ConfigError::Invalid(format!(
-            "duration {text:?} must be positive and not overflow"
-        ))),
-    }
+    dedupgate_core::parse_duration_ms(text).map_err(|e| ConfigError::Invalid(e.to_string()))
 }
 
 #[cfg(test)]

@@ -7,7 +7,6 @@
 use std::path::Path;
 
 use dedupgate_core::model::{KEY_BYTES_MAX, NAMESPACE_BYTES_MAX};
-use dedupgate_core::op::DURATION_MS_MAX;
 use dedupgate_core::{Defaults, BATCH_OPS_MAX};
 use serde::Deserialize;
 
@@ -221,37 +220,12 @@ impl FileConfig {
     }
 }
 
-/// Parses a duration with a unit (`ms`, `s`, `m`, `h`, `d`) into milliseconds; a bare number is
-/// milliseconds. Zero and values beyond the core's ten-year bound are refused.
+/// Parses a duration into milliseconds with the one grammar of every dedupgate duration
+/// ([`dedupgate_core::parse_duration_ms`]: `500ms`, `30s`, `5m`, `24h`, `7d`, sums such as
+/// `1h30m`; a bare number is refused, since its unit would be a guess), for flags, environment
+/// variables and the config file alike.
 pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (digits, unit) = t.split_at(split);
-    if digits.is_empty() {
-        return Err(format!(
-            "duration {text:?}: expected a number with a unit, e.g. 500ms, 30s, 5m, 24h, 7d"
-        ));
-    }
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("duration {text:?}: number too large"))?;
-    let per_ms: u64 = match unit.trim() {
-        "" | "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        other => {
-            return Err(format!(
-                "duration {text:?}: unknown unit {other:?} (use ms, s, m, h or d)"
-            ))
-        }
-    };
-    let ms = n
-        .checked_mul(per_ms)
-        .filter(|ms| (1..=DURATION_MS_MAX).contains(ms))
-        .ok_or_else(|| format!("duration {text:?}: must be between 1ms and 10 years"))?;
-    Ok(ms)
+    dedupgate_core::parse_duration_ms(text).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -265,8 +239,17 @@ mod tests {
         assert_eq!(parse_duration_ms("5m"), Ok(300_000));
         assert_eq!(parse_duration_ms("24h"), Ok(86_400_000));
         assert_eq!(parse_duration_ms("7d"), Ok(604_800_000));
-        assert_eq!(parse_duration_ms("250"), Ok(250));
-        for bad in ["", "0s", "-1s", "5x", "s", "99999999999999999999d", "4000d"] {
+        assert_eq!(parse_duration_ms("1h30m"), Ok(5_400_000));
+        for bad in [
+            "",
+            "250",
+            "0s",
+            "-1s",
+            "5x",
+            "s",
+            "99999999999999999999d",
+            "4000d",
+        ] {
             assert!(parse_duration_ms(bad).is_err(), "{bad:?} should be refused");
         }
     }

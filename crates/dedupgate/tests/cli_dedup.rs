@@ -120,6 +120,24 @@ fn malformed_lines_stop_the_run_with_their_position_or_go_to_rejects() {
         "{}",
         err(&stopped)
     );
+    // What it did before the stop: the first record, written out and counted.
+    assert_eq!(out(&stopped), "{\"id\":1}\n");
+    assert!(
+        err(&stopped)
+            .contains("dedupgate dedup: stopped: read 2, emitted 1, duplicates 0, rejected 0"),
+        "{}",
+        err(&stopped)
+    );
+    // A bad duration is a usage error (exit 2), and so is a bare number.
+    for ttl in ["60", "5q"] {
+        let bad = dg()
+            .args(["dedup", "--key-fields", "id", "--ttl", ttl])
+            .arg(&input)
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(2), "--ttl {ttl}: {}", err(&bad));
+        assert!(err(&bad).contains("--ttl"), "{}", err(&bad));
+    }
     let rejects = dir.path().join("rejects.jsonl");
     let kept = dg()
         .args(["dedup", "--key-fields", "id", "--rejects"])
@@ -383,6 +401,53 @@ fn a_ledger_rerun_over_an_overlapping_window_emits_only_what_is_new() {
     );
     let fourth = dedup(&doubled);
     assert_eq!(out(&fourth), events(60..61));
+}
+
+/// `dedupgate forget --store STORE -n NS -k KEY` makes one ledger key new again, whichever
+/// way the ledger keeps it (an embedded store's key set, or gate records), named as the ledger
+/// names it: the id (hex) for key fields, the rendered key for a template. The other keys stay
+/// known.
+#[test]
+fn a_forgotten_ledger_key_is_emitted_again_and_only_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, ns) = ledger(dir.path());
+    let input = write(dir.path(), "events.jsonl", &events(0..5));
+    let dedup = |key: &[&str]| {
+        dg().arg("dedup")
+            .args(key)
+            .args(["--ledger", &store, "--namespace", &ns])
+            .arg(&input)
+            .output()
+            .unwrap()
+    };
+    let forget = |key: &str| {
+        let o = dg()
+            .args(["forget", "--store", &store, "-n", &ns, "-k", key])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", err(&o));
+        out(&o)
+    };
+    let fields: &[&str] = &["--key-fields", "event_id"];
+    let template: &[&str] = &["--key-template", "ev-{event_id}"];
+    for key in [fields, template] {
+        let first = dedup(key);
+        assert!(first.status.success(), "{}", err(&first));
+        assert_eq!(out(&first), events(0..5));
+        assert_eq!(out(&dedup(key)), "", "{key:?}: every key known");
+    }
+
+    let id_of_3 = recipe_id(&[("event_id", "3")]);
+    assert!(forget(&id_of_3).contains("\"deleted\":true"));
+    assert_eq!(out(&dedup(fields)), events(3..4), "only the forgotten key");
+    assert_eq!(out(&dedup(fields)), "", "and it is recorded again");
+    assert!(forget("ev-1").contains("\"deleted\":true"));
+    assert_eq!(out(&dedup(template)), events(1..2));
+    assert_eq!(out(&dedup(template)), "");
+    // A key the ledger never had: nothing deleted, and nothing else forgotten.
+    assert!(forget("ev-99").contains("\"deleted\":false"));
+    assert_eq!(out(&dedup(template)), "");
+    assert_eq!(out(&dedup(fields)), "");
 }
 
 #[test]

@@ -483,31 +483,60 @@ fn a_store_held_by_a_server_is_refused_with_the_way_through_it() {
     let store = format!("embedded:{}", dir.display());
     let _server = serve_on(&store);
     let script = append(&env.path("count"));
-    let held = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
-        .env("RUST_LOG", "warn")
-        .args([
-            "run",
-            "--store",
-            &store,
-            "--lock-wait",
-            "100ms",
-            "--key",
-            "held",
-        ])
-        .args(["--", "sh", "-c", &script])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let run_held = |lock_wait: &str| {
+        Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+            .env("RUST_LOG", "warn")
+            .args([
+                "run",
+                "--store",
+                &store,
+                "--lock-wait",
+                lock_wait,
+                "--key",
+                "held",
+            ])
+            .args(["--", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let held = run_held("100ms");
     assert_eq!(code(&held), 125, "{}", stderr(&held));
-    for hint in [
+    let hints = [
         "in use",
         "dedupgate serve",
         "--server URL",
-        "another --store",
-    ] {
+        "another store directory",
+    ];
+    for hint in hints {
         assert!(stderr(&held).contains(hint), "{hint}: {}", stderr(&held));
     }
+    assert!(
+        !stderr(&held).contains("waiting up to"),
+        "a short wait passes unsaid: {}",
+        stderr(&held)
+    );
     assert_eq!(env.count_lines("count"), 0, "CMD must not run");
+    // A wait longer than a second says what it waits for while it waits.
+    let waited = run_held("1500ms");
+    assert_eq!(code(&waited), 125, "{}", stderr(&waited));
+    assert!(
+        stderr(&waited)
+            .contains("is in use by another process (a `dedupgate serve`?); waiting up to"),
+        "{}",
+        stderr(&waited)
+    );
+    assert_eq!(env.count_lines("count"), 0, "CMD must not run");
+    // The API subcommands on the store directly say the same.
+    let claim = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args(["claim", "--store", &store, "-n", "run", "-k", "held"])
+        .output()
+        .unwrap();
+    assert_eq!(code(&claim), 1, "{}", stderr(&claim));
+    for hint in hints {
+        assert!(stderr(&claim).contains(hint), "{hint}: {}", stderr(&claim));
+    }
 }
 
 #[test]

@@ -8,11 +8,15 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use dedupgate_client::{Client, ClientError, MarkOptions};
-use dedupgate_core::{ClaimOptions, Gate, GateError, Op, Outcome, RecordId, Token};
+use dedupgate_core::{ClaimOptions, Gate, GateError, Namespace, Op, Outcome, RecordId, Token};
+use dedupgate_embedded::{EmbeddedOptions, KeySetCall};
 use dedupgate_server::parse_duration_ms;
 use serde_json::{json, Value};
 
 use dedupgate_stores::{self as store_spec, StoreSpec};
+
+use crate::commands::pipeline::backend::open_failed;
+use crate::commands::pipeline::keyspec::key_set_members;
 
 /// Where the operation goes.
 #[derive(clap::Args, Debug, Clone)]
@@ -334,9 +338,12 @@ async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
     let spec: StoreSpec = spec
         .parse()
         .map_err(|e: dedupgate_stores::SpecError| Failure::Other(e.into()))?;
+    if let (ApiOp::Forget, StoreSpec::Embedded(dir)) = (&call.op, &spec) {
+        return forget_embedded(dir, call).await;
+    }
     let store = store_spec::open(&spec)
         .await
-        .map_err(|e| Failure::Other(e.into()))?;
+        .map_err(|e| Failure::Other(open_failed(&spec, e)))?;
     let gate = Gate::from_arc(store);
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     Ok(match &call.op {
@@ -392,4 +399,45 @@ async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
         },
         ApiOp::Forget => json!({"deleted": gate.forget(ns, key).await.map_err(from_gate)?}),
     })
+}
+
+/// `forget` on an embedded store: the key's gate record and, when a `dedup --ledger` keeps the
+/// key in the store's key set, its member too, so the next sighting of the key is new
+/// whichever of them remembered it.
+///
+/// Two commits, the key set's first (its call fails before writing anything when a member
+/// cannot be read), then the gate record's. Each is idempotent, so a command that fails
+/// between them (the error says so) is simply run again.
+async fn forget_embedded(dir: &std::path::Path, call: &Call) -> Result<Value, Failure> {
+    let store = store_spec::open_embedded(dir, EmbeddedOptions::default())
+        .await
+        .map_err(|e| Failure::Other(open_failed(&StoreSpec::Embedded(dir.to_owned()), e)))?;
+    let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
+    let forget = KeySetCall {
+        namespace: Namespace::new(ns).map_err(|e| from_gate(e.into()))?,
+        record: Vec::new(),
+        check: Vec::new(),
+        record_new: false,
+        gate_keys: Vec::new(),
+        ttl_ms: 1,
+        forget: key_set_members(key),
+    };
+    let member = store
+        .key_set(forget)
+        .await
+        .map_err(from_gate)?
+        .contains(&true);
+    let gate = Gate::from_arc(store as std::sync::Arc<dyn dedupgate_core::Store>);
+    let record = gate.forget(ns, key).await.map_err(|e| {
+        let removed = if member {
+            "its key-set member was removed, its gate record was not: run forget again"
+        } else {
+            "nothing was removed"
+        };
+        Failure::Answer {
+            code: e.code().to_owned(),
+            detail: format!("{e} ({removed})"),
+        }
+    })?;
+    Ok(json!({"deleted": record || member}))
 }

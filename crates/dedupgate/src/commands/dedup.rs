@@ -24,10 +24,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use dedupgate_core::keys::{parse_duration_ms, RawObject};
+use dedupgate_core::keys::RawObject;
 use dedupgate_core::Namespace;
 
-use super::pipeline::backend::{Backend, DEFAULT_LOCK_WAIT_MS};
+use super::pipeline::backend::Backend;
 use super::pipeline::input::{self, Format, Input};
 use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
 use super::pipeline::parallel::for_each_keyed_chunk;
@@ -84,8 +84,8 @@ pub struct DedupArgs {
     #[arg(long, value_name = "URL", conflicts_with = "ledger")]
     server: Option<String>,
     /// How long the ledger remembers a key (500ms, 30s, 5m, 24h, 7d).
-    #[arg(long, default_value = "24h", value_name = "D")]
-    ttl: String,
+    #[arg(long, default_value = "24h", value_name = "D", value_parser = dedupgate_server::parse_duration_ms)]
+    ttl: u64,
     /// How the ledger records keys: retriable (write, then record: a crash makes the next run
     /// emit the last batch again) or at-most-once (record, then write: a crash can lose it).
     #[arg(long, value_enum, default_value_t = LedgerMode::Retriable)]
@@ -118,8 +118,8 @@ pub struct DedupArgs {
     #[arg(short, long)]
     quiet: bool,
     /// How long to wait for an embedded ledger another process holds.
-    #[arg(long, default_value = "30s", value_name = "D")]
-    lock_wait: String,
+    #[arg(long, default_value = "30s", value_name = "D", value_parser = dedupgate_server::parse_duration_ms)]
+    lock_wait: u64,
 }
 
 /// Counts for the summary line.
@@ -139,8 +139,7 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
         bail!("stdin (-) may be given only once");
     }
     let format = Format::resolve(args.format, &inputs)?;
-    let ttl_ms = parse_duration_ms(&args.ttl).context("--ttl")?;
-    let lock_wait_ms = parse_duration_ms(&args.lock_wait).unwrap_or(DEFAULT_LOCK_WAIT_MS);
+    let (ttl_ms, lock_wait_ms) = (args.ttl, args.lock_wait);
     Namespace::new(args.namespace.clone()).context("--namespace")?;
     let mut rejects = Rejects::open(args.rejects.as_deref())?;
     // One worker thread: a ledger call runs there while this thread keys the next batch.
@@ -216,19 +215,29 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
     };
     bar.finish_and_clear();
     let counts = std::mem::take(&mut job.counts);
-    result?;
+    let summary = |how: &str, rejected: u64| {
+        if !args.quiet {
+            eprintln!(
+                "dedupgate dedup: {how}read {}, emitted {}, duplicates {}, rejected {} ({:.2}s)",
+                counts.read,
+                counts.emitted,
+                counts.duplicates,
+                rejected,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    };
+    if let Err(e) = result {
+        // What was emitted before the stop is written out and counted, then the reason.
+        if let Err(flush) = out.flush() {
+            tracing::warn!("while stopping: writing the output: {flush}");
+        }
+        summary("stopped: ", rejects.count);
+        return Err(e);
+    }
     out.flush().context("writing the output")?;
     rejects.finish()?;
-    if !args.quiet {
-        eprintln!(
-            "dedupgate dedup: read {}, emitted {}, duplicates {}, rejected {} ({:.2}s)",
-            counts.read,
-            counts.emitted,
-            counts.duplicates,
-            rejects.count,
-            started.elapsed().as_secs_f64()
-        );
-    }
+    summary("", rejects.count);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -201,12 +201,7 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
     // backoff; other requests pass through meanwhile. A refused configuration still stops it.
     let (store, pending) = store_spec::open_or_pending(&r.store, store_spec::Backoff::default())
         .await
-        .with_context(|| {
-            format!(
-                "cannot open store {}",
-                super::pipeline::backend::describe(&r.store)
-            )
-        })?;
+        .map_err(|e| super::pipeline::backend::open_failed(&r.store, e))?;
     let upstream = r.config.upstream.url.clone();
     let encrypted = r.config.idempotency.sealer.is_some();
     let describe = store.describe();

@@ -208,13 +208,9 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
              the config file, listen on 127.0.0.1, or pass --allow-unauthenticated-remote"
         );
     }
-    let store: Arc<dyn dedupgate_core::Store> =
-        store_spec::open(&r.store).await.with_context(|| {
-            format!(
-                "cannot open store {}",
-                super::pipeline::backend::describe(&r.store)
-            )
-        })?;
+    let store: Arc<dyn dedupgate_core::Store> = store_spec::open(&r.store)
+        .await
+        .map_err(|e| super::pipeline::backend::open_failed(&r.store, e))?;
     let auth = if auth_on {
         format!("on ({} tokens)", r.config.tokens.len())
     } else {

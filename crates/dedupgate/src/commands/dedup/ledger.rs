@@ -34,7 +34,7 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use crate::commands::pipeline::backend::{Backend, Fresh, LedgerAnswers, LedgerWrite};
-use crate::commands::pipeline::keyspec::Prehashed;
+use crate::commands::pipeline::keyspec::{key_set_member, Prehashed};
 
 use super::{Counts, LedgerMode};
 
@@ -243,9 +243,7 @@ impl<'a> Ledger<'a> {
         match self.sink {
             Sink::Gate { .. } => self.batch.keys.push(key()),
             Sink::KeySet { gate_keys, .. } => {
-                let mut id = KeyId::default();
-                id.copy_from_slice(&digest[..std::mem::size_of::<KeyId>()]);
-                self.batch.ids.push(id);
+                self.batch.ids.push(key_set_member(digest));
                 // A ledger kept as gate records still counts.
                 if gate_keys {
                     self.batch.keys.push(key());
@@ -465,6 +463,7 @@ async fn key_set_call(
         record_new,
         gate_keys: gate_keys.to_vec(),
         ttl_ms,
+        forget: Vec::new(),
     };
     let fresh = store
         .key_set(call)

@@ -19,10 +19,10 @@ use serde_json::{json, Value};
 use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
 use dedupgate_stores::{self as store_spec, StoreSpec};
 
-/// How long an open waits for another process to let go of an embedded store directory.
-pub const DEFAULT_LOCK_WAIT_MS: u64 = 30_000;
 /// Pause between two tries of a locked directory.
 const LOCK_RETRY_MS: u64 = 25;
+/// How long a wait for a locked directory goes before it says so on stderr.
+const LOCK_NOTICE_AFTER: Duration = Duration::from_secs(1);
 
 /// A gate reached in-process or over HTTP. Cheap to clone.
 #[derive(Clone)]
@@ -51,6 +51,7 @@ async fn open_waiting(
     embedded: &EmbeddedOptions,
 ) -> anyhow::Result<Opened> {
     let started = Instant::now();
+    let mut told = false;
     loop {
         let opened = match spec {
             StoreSpec::Embedded(dir) => store_spec::open_embedded(dir, embedded.clone())
@@ -61,22 +62,20 @@ async fn open_waiting(
         match opened {
             Ok(opened) => return Ok(opened),
             Err(e) if e.is_locked() && started.elapsed().as_millis() < u128::from(lock_wait_ms) => {
+                // A lock held for a moment (another cron trigger's claim) passes unsaid; a
+                // longer wait says what it waits for, so a forgotten `serve` is not a mystery.
+                if !told && started.elapsed() >= LOCK_NOTICE_AFTER {
+                    told = true;
+                    eprintln!(
+                        "dedupgate: store {} is in use by another process (a `dedupgate serve`?); \
+                         waiting up to {} for it (--lock-wait)",
+                        describe(spec),
+                        dedupgate_core::keys::format_duration_ms(lock_wait_ms)
+                    );
+                }
                 tokio::time::sleep(Duration::from_millis(LOCK_RETRY_MS)).await;
             }
-            Err(e) => {
-                let locked = e.is_locked();
-                let err =
-                    anyhow::Error::new(e).context(format!("opening store {}", describe(spec)));
-                // The usual cause: `dedupgate serve` holds the default directory.
-                return Err(if locked {
-                    err.context(
-                        "the store is in use: is `dedupgate serve` running on it? \
-                         Go through it with --server URL, or pick another --store",
-                    )
-                } else {
-                    err
-                });
-            }
+            Err(e) => return Err(open_failed(spec, e)),
         }
     }
 }
@@ -405,6 +404,22 @@ pub fn is_lease_lost(e: &anyhow::Error) -> bool {
 }
 
 /// A spec for messages (never a password: URLs are cut at their authority).
+/// Why `spec` did not open, with what to do when another process holds its directory (the
+/// usual cause: a `dedupgate serve` or `proxy` on the default `./dedupgate-data`).
+pub fn open_failed(spec: &StoreSpec, e: store_spec::OpenStoreError) -> anyhow::Error {
+    let locked = e.is_locked();
+    let err = anyhow::Error::new(e).context(format!("cannot open store {}", describe(spec)));
+    if locked {
+        err.context(
+            "the store is in use by another process: is `dedupgate serve` running on it? Go \
+             through it with --server URL (run, dedup, claim … forget), or give another store \
+             directory (--store, --ledger)",
+        )
+    } else {
+        err
+    }
+}
+
 pub fn describe(spec: &StoreSpec) -> String {
     match spec {
         StoreSpec::Memory => "memory:".to_owned(),

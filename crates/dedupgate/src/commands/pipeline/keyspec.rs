@@ -174,13 +174,35 @@ impl KeySpec {
     }
 
     /// The key a ledger stores for a record: the id (hex) for key fields, the rendered key for
-    /// a template, so an operator can look it up with `dedupgate get`.
+    /// a template, so an operator can look it up with `dedupgate get` (a ledger of gate
+    /// records) and make it new again with `dedupgate forget` (either kind of ledger).
     pub fn ledger_key(&self, digest: &[u8; 32], scratch: &Scratch) -> String {
         match self {
             KeySpec::Fields(_) => hex::encode(digest),
             KeySpec::Template(_) => scratch.text.clone(),
         }
     }
+}
+
+/// The key-set members (`dedup --ledger` on an embedded store) that may stand for the ledger
+/// key `key` (see [`KeySpec::ledger_key`]): a member is the first 16 bytes of the record's
+/// digest, which is the SHA-256 of `key` for a template, and for key fields the id that `key`
+/// spells in hex. A key that reads as both gives both: the second can name another key's
+/// member only if that key's SHA-256 is `key`, i.e. one rendered key is the hash of another.
+pub fn key_set_members(key: &str) -> Vec<[u8; 16]> {
+    let mut members = vec![key_set_member(&id_bytes(key))];
+    if let Ok(id) = <[u8; 32]>::try_from(hex::decode(key).unwrap_or_default()) {
+        members.push(key_set_member(&id));
+    }
+    members
+}
+
+/// The key-set member of a record whose key has digest `digest`: its first 16 bytes (the bytes
+/// of [`short`] too).
+pub fn key_set_member(digest: &[u8; 32]) -> [u8; 16] {
+    let mut member = [0u8; 16];
+    member.copy_from_slice(&digest[..16]);
+    member
 }
 
 /// A rendered key must be a valid gate key (1..=1024 bytes).
@@ -193,9 +215,7 @@ fn check_key(text: &str) -> Result<(), Reject> {
 /// The first 16 bytes of a digest: the in-memory identity of a key. Two different keys share
 /// one only with probability 2^-128 per pair.
 pub fn short(digest: &[u8; 32]) -> u128 {
-    let mut b = [0u8; 16];
-    b.copy_from_slice(&digest[..16]);
-    u128::from_le_bytes(b)
+    u128::from_le_bytes(key_set_member(digest))
 }
 
 /// A hasher for keys that are already uniformly random (SHA-256 prefixes): it passes the low

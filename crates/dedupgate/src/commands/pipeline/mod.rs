@@ -26,7 +26,7 @@ pub const PROGRESS_EVERY_LINES: u64 = 16_384;
 /// nowhere, in which case the first reject stops the run with its position and reason.
 pub struct Rejects {
     out: Option<BufWriter<File>>,
-    /// Records rejected so far.
+    /// Records set aside in the rejects file so far.
     pub count: u64,
 }
 
@@ -49,13 +49,13 @@ impl Rejects {
         reason: &str,
         record: serde_json::Value,
     ) -> anyhow::Result<()> {
-        self.count += 1;
         match &mut self.out {
             Some(out) => {
                 let line =
                     json!({"file": pos.file, "line": pos.line, "reason": reason, "record": record});
                 serde_json::to_writer(&mut *out, &line)?;
                 out.write_all(b"\n")?;
+                self.count += 1;
                 Ok(())
             }
             None => anyhow::bail!(
