@@ -47,7 +47,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     // The gate: the embedded durable store, retriable mode, key = the Nats-Msg-Id header.
     let store = EmbeddedStore::open("./dedupgate-example-data", EmbeddedOptions::default())?;
-    let gate = ConsumerGate::new(Gate::new(store), "orders")?.mode(Mode::Retriable);
+    // A namespace of its own: the RabbitMQ example uses the same directory and message ids.
+    let gate = ConsumerGate::new(Gate::new(store), "orders.nats")?.mode(Mode::Retriable);
 
     let consumer = stream
         .create_consumer(pull::Config {
