@@ -187,7 +187,10 @@ pub(crate) fn apply(
         txn.set_remove(&key)?;
         wrote = true;
     }
-    for id in &call.record {
+    // In key order, like the lookups: consecutive inserts share their path down the memtable.
+    let mut record: Vec<&KeyId> = call.record.iter().collect();
+    record.sort_unstable();
+    for id in record {
         encode_member(id, &call.namespace, &mut key);
         txn.set_put(&key, &expires)?;
         wrote = true;
