@@ -1,8 +1,11 @@
 //! `dedupgate claim|complete|release|extend|mark|get|forget`: the API from the shell, against a
 //! server (`--server URL`, through dedupgate-client with its safe retries) or a store directly
 //! (`--store STORE`, through `dedupgate_core::Gate`). Both print the same JSON as the HTTP API's
-//! success body on stdout and exit 0 (a duplicate is an answer, not an error); an error prints
-//! its code and detail on stderr and exits 1 (`get` of an absent key included).
+//! success body on stdout and exit 0 (a duplicate is an answer, not an error). The gate's
+//! refusal (`lease_lost`, `fingerprint_mismatch`, …, and `get` of an absent key) prints its code
+//! and detail on stderr and exits 1; when the gate could not be asked or decided nothing
+//! (`unavailable`, a server or store that cannot be reached or opened) the exit is
+//! [`EXIT_NOT_DECIDED`], so a script never takes "could not ask" for "no record".
 
 use std::process::ExitCode;
 
@@ -13,9 +16,14 @@ use dedupgate_embedded::{EmbeddedOptions, KeySetCall};
 use dedupgate_server::parse_duration_ms;
 use serde_json::{json, Value};
 
-use dedupgate_stores::{self as store_spec, StoreSpec};
+use dedupgate_stores::StoreSpec;
 
-use crate::commands::pipeline::backend::open_failed;
+use crate::commands::pipeline::backend::open_waiting;
+
+/// Exit code when the gate could not be asked or decided nothing (docs/cli.md).
+pub const EXIT_NOT_DECIDED: u8 = 3;
+/// Exit code of a usage error (clap's own).
+const EXIT_USAGE: u8 = 2;
 use crate::commands::pipeline::keyspec::key_set_members;
 
 /// Where the operation goes.
@@ -36,6 +44,9 @@ pub struct Target {
     /// The dedup key.
     #[arg(long, short = 'k')]
     key: String,
+    /// How long to wait for an embedded --store another process is using at that moment.
+    #[arg(long, default_value = "30s", value_name = "D", value_parser = parse_duration_ms)]
+    lock_wait: u64,
 }
 
 /// The API subcommands.
@@ -105,7 +116,7 @@ pub enum ApiCommand {
         #[arg(long)]
         result: Option<String>,
     },
-    /// Print a key's record (exit 1 when there is none).
+    /// Print a key's record (exit 1 when there is none, 3 when the gate could not be asked).
     Get {
         #[command(flatten)]
         target: Target,
@@ -229,7 +240,18 @@ enum Failure {
 
 /// Runs one API subcommand.
 pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
-    let call = parse(cmd)?;
+    // A bad flag value (a duration, a JSON result) is a usage error, like clap's own.
+    let call = match parse(cmd) {
+        Ok(call) => call,
+        Err(e) => {
+            eprintln!("dedupgate: {e:#}");
+            return Ok(ExitCode::from(EXIT_USAGE));
+        }
+    };
+    if call.target.server.is_some() == call.target.store.is_some() {
+        eprintln!("dedupgate: give --server URL (or DEDUPGATE_SERVER) or --store STORE");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -238,9 +260,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
         match (&call.target.server, &call.target.store) {
             (Some(url), None) => via_server(url, &call).await,
             (None, Some(store)) => via_store(store, &call).await,
-            _ => Err(Failure::Other(anyhow::anyhow!(
-                "give --server URL (or DEDUPGATE_SERVER) or --store STORE"
-            ))),
+            _ => unreachable!("checked above: exactly one target"),
         }
     });
     match answer {
@@ -250,9 +270,17 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
         }
         Err(Failure::Answer { code, detail }) => {
             eprintln!("dedupgate: {code}: {detail}");
-            Ok(ExitCode::FAILURE)
+            // The wire code of a store that could not decide (API.md).
+            Ok(if code == "unavailable" {
+                ExitCode::from(EXIT_NOT_DECIDED)
+            } else {
+                ExitCode::FAILURE
+            })
         }
-        Err(Failure::Other(e)) => Err(e),
+        Err(Failure::Other(e)) => {
+            eprintln!("dedupgate: {e:#}");
+            Ok(ExitCode::from(EXIT_NOT_DECIDED))
+        }
     }
 }
 
@@ -341,9 +369,9 @@ async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
     if let (ApiOp::Forget, StoreSpec::Embedded(dir)) = (&call.op, &spec) {
         return forget_embedded(dir, call).await;
     }
-    let store = store_spec::open(&spec)
+    let (store, _) = open_waiting(&spec, call.target.lock_wait, &EmbeddedOptions::default())
         .await
-        .map_err(|e| Failure::Other(open_failed(&spec, e)))?;
+        .map_err(Failure::Other)?;
     let gate = Gate::from_arc(store);
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     Ok(match &call.op {
@@ -409,9 +437,12 @@ async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
 /// cannot be read), then the gate record's. Each is idempotent, so a command that fails
 /// between them (the error says so) is simply run again.
 async fn forget_embedded(dir: &std::path::Path, call: &Call) -> Result<Value, Failure> {
-    let store = store_spec::open_embedded(dir, EmbeddedOptions::default())
+    let spec = StoreSpec::Embedded(dir.to_owned());
+    let (_, store) = open_waiting(&spec, call.target.lock_wait, &EmbeddedOptions::default())
         .await
-        .map_err(|e| Failure::Other(open_failed(&StoreSpec::Embedded(dir.to_owned()), e)))?;
+        .map_err(Failure::Other)?;
+    let store = store
+        .ok_or_else(|| Failure::Other(anyhow::anyhow!("{dir:?} opened as no embedded store")))?;
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     let forget = KeySetCall {
         namespace: Namespace::new(ns).map_err(|e| from_gate(e.into()))?,

@@ -45,7 +45,9 @@ pub enum Backend {
 /// An open store, and the same store as itself when it is an embedded one.
 type Opened = (Arc<dyn Store>, Option<Arc<EmbeddedStore>>);
 
-async fn open_waiting(
+/// Opens `spec`, waiting up to `lock_wait_ms` while another process holds an embedded store's
+/// directory (another command's moment on it); a wait of more than a second says so on stderr.
+pub async fn open_waiting(
     spec: &StoreSpec,
     lock_wait_ms: u64,
     embedded: &EmbeddedOptions,
