@@ -1,14 +1,14 @@
 //! The router: API.md's routes ([`ROUTES`]), their handlers, and the layer that applies the
-//! in-flight cap, the request timeout, latency and error metrics to every request.
+//! in-flight cap, the request timeout, latency and error metrics to every request (after its
+//! body has been read, so a slow sender holds no in-flight slot).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::future::Future;
-use std::pin::Pin;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Query, Request};
+use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{BoxError, Router};
@@ -17,11 +17,11 @@ use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::sync::Semaphore;
 
-use crate::auth::Auth;
+use crate::auth::{Auth, Principal};
 use crate::config::ServerConfig;
 use crate::metrics::Metrics;
 use crate::problem::{Problem, ProblemCode};
-use crate::wire::{self, OpKind, Parsed, RecordReq};
+use crate::wire::{self, OpKind, Parsed};
 
 /// How long `/healthz` waits for the store before calling it down.
 const HEALTH_TIMEOUT_MS: u64 = 2_000;
@@ -131,13 +131,57 @@ impl AppState {
             .map(HeaderValue::as_bytes)
     }
 
-    /// Reads a request body, refusing it with 413 once it passes the configured limit.
+    /// Authenticates a request and reads its body, before the request takes an in-flight slot
+    /// (see [`AppState::guarded`]): a client that sends its body slowly, or never, holds no
+    /// slot while it does.
+    async fn receive<B>(
+        &self,
+        request: axum::http::Request<B>,
+    ) -> Result<(Principal<'_>, Bytes), Problem>
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = request.into_parts();
+        let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
+        let body = self.read_body(body).await?;
+        Ok((principal, body))
+    }
+
+    /// Reads a request body: 413 at once when its announced length (`Content-Length`) is over
+    /// the configured limit, 413 once it passes the limit while it is read, and 400 when it has
+    /// not arrived whole within the request timeout. Nothing is decided in any of these cases.
     async fn read_body<B>(&self, body: B) -> Result<Bytes, Problem>
     where
         B: HttpBody<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
         let limit = self.config.limits.body_bytes_max;
+        let announced = body.size_hint().lower();
+        if announced > limit as u64 {
+            return Err(Problem::too_large(format!(
+                "the request body ({announced} bytes) is larger than {limit} bytes"
+            )));
+        }
+        let timeout_ms = self.config.limits.request_timeout_ms;
+        tokio::time::timeout(
+            Duration::from_millis(timeout_ms),
+            Self::collect_body(body, limit),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(Problem::invalid(format!(
+                "the request body did not arrive within {timeout_ms} ms; nothing was decided"
+            )))
+        })
+    }
+
+    /// Collects a body, refusing it with 413 once it passes `limit`.
+    async fn collect_body<B>(body: B, limit: usize) -> Result<Bytes, Problem>
+    where
+        B: HttpBody<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
         let mut body = std::pin::pin!(Limited::new(body, limit));
         // A small body arrives as one frame: kept as it is, without copying or a buffer list.
         let mut first = Bytes::new();
@@ -188,15 +232,8 @@ impl AppState {
         Problem::from_gate(err)
     }
 
-    async fn single<B>(&self, kind: OpKind, request: axum::http::Request<B>) -> Response
-    where
-        B: HttpBody<Data = Bytes>,
-        B::Error: Into<BoxError>,
-    {
+    async fn single(&self, kind: OpKind, principal: Principal<'_>, body: Bytes) -> Response {
         let answer = async {
-            let (parts, body) = request.into_parts();
-            let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
-            let body = self.read_body(body).await?;
             let parsed = wire::parse_body(kind, &body, &self.config.defaults, &self.config.limits)?;
             principal.allows(parsed.id.namespace.as_str(), kind.admin())?;
             let outcome = self.decide(parsed).await?;
@@ -216,9 +253,7 @@ impl AppState {
         let (parts, _) = request.into_parts();
         let answer = async {
             let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
-            let Query(q) = Query::<RecordReq>::try_from_uri(&parts.uri).map_err(|e| {
-                Problem::invalid(format!("query must carry namespace and key: {e}"))
-            })?;
+            let q = wire::record_query(parts.uri.query())?;
             let id = wire::record_id(q.namespace, q.key, &self.config.limits)?;
             principal.allows(id.namespace.as_str(), kind.admin())?;
             let op = match kind {
@@ -237,25 +272,14 @@ impl AppState {
         }
     }
 
-    async fn batch<B>(&self, request: axum::http::Request<B>) -> Response
-    where
-        B: HttpBody<Data = Bytes>,
-        B::Error: Into<BoxError>,
-    {
-        match self.batch_inner(request).await {
+    async fn batch(&self, principal: Principal<'_>, body: Bytes) -> Response {
+        match self.batch_inner(principal, body).await {
             Ok(out) => json(StatusCode::OK, out),
             Err(problem) => problem.into_response(),
         }
     }
 
-    async fn batch_inner<B>(&self, request: axum::http::Request<B>) -> Result<Vec<u8>, Problem>
-    where
-        B: HttpBody<Data = Bytes>,
-        B::Error: Into<BoxError>,
-    {
-        let (parts, body) = request.into_parts();
-        let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
-        let body = self.read_body(body).await?;
+    async fn batch_inner(&self, principal: Principal<'_>, body: Bytes) -> Result<Vec<u8>, Problem> {
         let ops = wire::parse_batch(&body)?;
         let max = self.config.limits.batch_ops_max;
         if ops.len() > max {
@@ -452,24 +476,51 @@ impl AppState {
                 // Each handler's future (a kilobyte or more: the request, the parsed op, the
                 // store call) is boxed once, so the futures around it, which are moved by
                 // value as they are built and polled, stay small.
+                //
+                // Routes with a body read it first, outside the guard: the in-flight cap and the
+                // request timeout apply to deciding, not to waiting for a slow client.
+                let started = Instant::now();
                 match endpoint(route) {
                     Endpoint::Single(kind) => {
-                        self.guarded(path, Box::pin(self.single(kind, request)))
-                            .await
+                        Box::pin(async move {
+                            match self.receive(request).await {
+                                Ok((principal, body)) => {
+                                    self.guarded(path, started, self.single(kind, principal, body))
+                                        .await
+                                }
+                                Err(problem) => self.finish(path, started, problem.into_response()),
+                            }
+                        })
+                        .await
                     }
                     Endpoint::Record(kind) => {
-                        self.guarded(path, Box::pin(self.record(kind, request)))
+                        self.guarded(path, started, Box::pin(self.record(kind, request)))
                             .await
                     }
-                    Endpoint::Batch => self.guarded(path, Box::pin(self.batch(request))).await,
-                    Endpoint::Health => self.guarded(path, Box::pin(self.health())).await,
-                    Endpoint::Metrics => self.guarded(path, Box::pin(self.metrics_text())).await,
+                    Endpoint::Batch => {
+                        Box::pin(async move {
+                            match self.receive(request).await {
+                                Ok((principal, body)) => {
+                                    self.guarded(path, started, self.batch(principal, body))
+                                        .await
+                                }
+                                Err(problem) => self.finish(path, started, problem.into_response()),
+                            }
+                        })
+                        .await
+                    }
+                    Endpoint::Health => self.guarded(path, started, Box::pin(self.health())).await,
+                    Endpoint::Metrics => {
+                        self.guarded(path, started, Box::pin(self.metrics_text()))
+                            .await
+                    }
                 }
             }
             Dispatch::WrongMethod(path) => {
                 let mut response = self
                     .guarded(
                         path,
+                        Instant::now(),
                         Box::pin(async {
                             Problem::method_not_allowed("this route does not take that method")
                                 .into_response()
@@ -484,6 +535,7 @@ impl AppState {
             Dispatch::NoRoute => {
                 self.guarded(
                     "other",
+                    Instant::now(),
                     Box::pin(async { Problem::not_found("no such route").into_response() }),
                 )
                 .await
@@ -493,16 +545,17 @@ impl AppState {
 }
 
 impl AppState {
-    /// What every request goes through, around its handler (which also reads the body): the
-    /// in-flight cap (503 with Retry-After beyond it), the request timeout, the in-flight gauge,
-    /// the latency histogram and the error counter. Called by each handler rather than as a
-    /// middleware layer, which would box and clone the route's service on every request.
+    /// What every request goes through, around its handler (a request's body has been read
+    /// before, by [`AppState::receive`]): the in-flight cap (503 with Retry-After beyond it),
+    /// the request timeout, the in-flight gauge, the latency histogram and the error counter.
+    /// Called by each handler rather than as a middleware layer, which would box and clone the
+    /// route's service on every request. `started` is when the request arrived.
     async fn guarded(
         &self,
         route: &'static str,
-        handler: Pin<Box<impl Future<Output = Response>>>,
+        started: Instant,
+        handler: impl Future<Output = Response>,
     ) -> Response {
-        let started = Instant::now();
         // Monitoring stays answerable under overload; everything else takes a permit or gets 503.
         let monitoring = matches!(route, "/healthz" | "/metrics");
         let permit = if monitoring {
@@ -539,6 +592,11 @@ impl AppState {
             }
         };
         drop(permit);
+        self.finish(route, started, response)
+    }
+
+    /// Counts an answer in the latency histogram and, if it is a problem, the error counter.
+    fn finish(&self, route: &'static str, started: Instant, response: Response) -> Response {
         self.metrics.request(route, started.elapsed());
         if let Some(ProblemCode(code)) = response.extensions().get::<ProblemCode>() {
             self.metrics.error(code);

@@ -13,20 +13,25 @@ use serde::Deserialize;
 /// Size, time and concurrency limits. Each one bounds memory or time a single caller can take.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Largest request body; bigger ones get 413 `payload_too_large` before they are read whole.
+    /// Largest request body; bigger ones get 413 `payload_too_large` before they are read whole
+    /// (at once, unread, when their `Content-Length` is bigger).
     pub body_bytes_max: usize,
-    /// Longest key accepted (at most API.md's 1024); longer gets 400 `invalid_request`.
+    /// Longest key accepted (at most API.md's 1024, else [`Limits::validated`] refuses it);
+    /// longer gets 400 `invalid_request`.
     pub key_bytes_max: usize,
-    /// Longest namespace accepted (at most API.md's 128); longer gets 400 `invalid_request`.
+    /// Longest namespace accepted (at most API.md's 128, else [`Limits::validated`] refuses
+    /// it); longer gets 400 `invalid_request`.
     pub namespace_bytes_max: usize,
     /// Largest `result` of complete/mark, as compact JSON; bigger gets 413 `payload_too_large`.
     pub result_bytes_max: usize,
     /// Most ops in one batch (at most API.md's 10,000); more gets 400 for the whole request.
     pub batch_ops_max: usize,
-    /// A request that takes longer is answered 503 `unavailable` with `Retry-After`.
+    /// A request whose decision takes longer is answered 503 `unavailable` with `Retry-After`;
+    /// a request body that has not arrived whole within it, 400 `invalid_request`.
     pub request_timeout_ms: u64,
-    /// Requests decided at once; the next one is answered 503 with `Retry-After` instead of
-    /// queueing, so memory stays bounded under overload.
+    /// Requests decided at once (a request takes a slot once its body has arrived, so slow
+    /// senders cannot hold slots); the next one is answered 503 with `Retry-After` instead of
+    /// queueing.
     pub in_flight_max: usize,
 }
 
@@ -46,11 +51,10 @@ impl Default for Limits {
 }
 
 impl Limits {
-    /// Clamps limits that API.md caps, and refuses zeros.
-    pub fn validated(mut self) -> Result<Self, ConfigError> {
-        self.key_bytes_max = self.key_bytes_max.min(KEY_BYTES_MAX);
-        self.namespace_bytes_max = self.namespace_bytes_max.min(NAMESPACE_BYTES_MAX);
-        self.batch_ops_max = self.batch_ops_max.min(BATCH_OPS_MAX);
+    /// Refuses zeros and values above the caps API.md sets (key 1024 bytes, namespace 128
+    /// bytes, batch 10,000 ops): a setting the server could not honour stops the start rather
+    /// than being quietly lowered.
+    pub fn validated(self) -> Result<Self, ConfigError> {
         for (name, v) in [
             ("body_bytes_max", self.body_bytes_max as u64),
             ("key_bytes_max", self.key_bytes_max as u64),
@@ -62,6 +66,21 @@ impl Limits {
         ] {
             if v == 0 {
                 return Err(ConfigError::Invalid(format!("{name} must be positive")));
+            }
+        }
+        for (name, v, max) in [
+            ("key_bytes_max", self.key_bytes_max, KEY_BYTES_MAX),
+            (
+                "namespace_bytes_max",
+                self.namespace_bytes_max,
+                NAMESPACE_BYTES_MAX,
+            ),
+            ("batch_ops_max", self.batch_ops_max, BATCH_OPS_MAX),
+        ] {
+            if v > max {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} must be at most {max} (API.md's limit), got {v}"
+                )));
             }
         }
         Ok(self)
@@ -140,7 +159,8 @@ impl Default for ServerConfig {
 #[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
+    // The cause is the error's source, not repeated in its text: `{:#}` chains show it once.
+    #[error("cannot read config file {path}")]
     Read {
         /// The file.
         path: String,
@@ -214,10 +234,44 @@ impl FileConfig {
         })
     }
 
-    /// Parses TOML text.
+    /// Parses TOML text, and refuses `[[tokens]]` that could not mean what they say: a token
+    /// that may use no namespace, and one secret listed twice (only one entry could apply).
     pub fn parse(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        let file: Self = toml::from_str(text).map_err(|e| e.to_string())?;
+        check_tokens(&file.tokens)?;
+        Ok(file)
     }
+}
+
+/// How a token entry is named in messages: its position and name, never the secret.
+fn token_label(i: usize, rule: &TokenRule) -> String {
+    format!(
+        "token {} ({})",
+        i + 1,
+        rule.name.as_deref().unwrap_or("unnamed")
+    )
+}
+
+/// Refuses token entries that cannot work as written (see [`FileConfig::parse`]).
+pub fn check_tokens(tokens: &[TokenRule]) -> Result<(), String> {
+    for (i, rule) in tokens.iter().enumerate() {
+        if rule.namespaces.is_empty() {
+            return Err(format!(
+                "{}: `namespaces` is empty, so the token could use no namespace; list the \
+                 namespace globs it may use (\"*\" for all)",
+                token_label(i, rule)
+            ));
+        }
+        if let Some(j) = tokens[..i].iter().position(|r| r.token == rule.token) {
+            return Err(format!(
+                "{} has the same secret as {}: each token must be listed once, with one role \
+                 and one set of namespaces",
+                token_label(i, rule),
+                token_label(j, &tokens[j])
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Parses a duration into milliseconds with the one grammar of every dedupgate duration
@@ -275,24 +329,5 @@ mod tests {
         assert!(
             FileConfig::parse("[[tokens]]\ntoken=\"a\"\nnamespaces=[]\nrole=\"root\"").is_err()
         );
-    }
-
-    #[test]
-    fn limits_are_clamped_to_the_contract() {
-        let l = Limits {
-            key_bytes_max: 5000,
-            batch_ops_max: 20_000,
-            ..Limits::default()
-        }
-        .validated()
-        .unwrap();
-        assert_eq!(l.key_bytes_max, KEY_BYTES_MAX);
-        assert_eq!(l.batch_ops_max, BATCH_OPS_MAX);
-        assert!(Limits {
-            in_flight_max: 0,
-            ..Limits::default()
-        }
-        .validated()
-        .is_err());
     }
 }

@@ -34,7 +34,7 @@ pub mod wire;
 pub use app::{router, AppState, Route, ROUTES};
 pub use auth::{Auth, Principal};
 pub use config::{
-    parse_duration_ms, ConfigError, FileConfig, Limits, Role, ServerConfig, TokenRule,
+    check_tokens, parse_duration_ms, ConfigError, FileConfig, Limits, Role, ServerConfig, TokenRule,
 };
 pub use metrics::Metrics;
 pub use problem::Problem;

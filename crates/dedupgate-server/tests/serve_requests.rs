@@ -1,0 +1,175 @@
+//! Requests against a real `serve` on a free port, over raw HTTP/1.1: record queries are decoded
+//! exactly or refused; bodies over the limit are refused from their `Content-Length` alone; a
+//! body that never arrives is a 4xx that says nothing was decided; and clients still sending
+//! their bodies hold no in-flight slot.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use dedupgate_core::MemoryStore;
+use dedupgate_server::{serve, AppState, Limits, ServerConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+async fn start(limits: Limits) -> SocketAddr {
+    let config = ServerConfig {
+        limits: limits.validated().unwrap(),
+        ..ServerConfig::default()
+    };
+    let state = AppState::new(Arc::new(MemoryStore::new()), config);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(serve(listener, state, std::future::pending()));
+    addr
+}
+
+/// Reads one answer (head and `Content-Length` body) from `tcp`.
+async fn answer(tcp: &mut TcpStream) -> (u16, String) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let head = text[..end].to_ascii_lowercase();
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+            if buf.len() >= end + 4 + length {
+                let status = text[9..12].parse().unwrap();
+                return (status, text[end + 4..end + 4 + length].to_owned());
+            }
+        }
+        let n = tcp.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed before a whole answer: {text:?}");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn request(addr: SocketAddr, method: &str, target: &str, body: &str) -> (u16, String) {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "{method} {target} HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    answer(&mut tcp).await
+}
+
+fn code(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    v["code"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test]
+async fn a_query_that_is_not_utf8_is_refused_and_names_no_other_record() {
+    let addr = start(Limits::default()).await;
+    let (status, body) = request(
+        addr,
+        "POST",
+        "/v1/mark",
+        r#"{"namespace":"t4","key":"\ufffd","result":1}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    for (method, target) in [
+        ("GET", "/v1/record?namespace=t4&key=%FF"),
+        ("DELETE", "/v1/record?namespace=t4&key=%FE"),
+        ("GET", "/v1/record?namespace=%C3&key=x"),
+    ] {
+        let (status, body) = request(addr, method, target, "").await;
+        assert_eq!(status, 400, "{method} {target}: {body}");
+        assert_eq!(code(&body), "invalid_request", "{body}");
+    }
+    // The record is still there, under its real key (U+FFFD is EF BF BD in UTF-8).
+    let (status, body) = request(addr, "GET", "/v1/record?namespace=t4&key=%EF%BF%BD", "").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""result":1"#), "{body}");
+}
+
+#[tokio::test]
+async fn a_body_announced_over_the_limit_is_413_without_being_read() {
+    // Without the early check the server would wait for the body and answer 503 after this.
+    let addr = start(Limits {
+        body_bytes_max: 1024,
+        request_timeout_ms: 2_000,
+        ..Limits::default()
+    })
+    .await;
+    for route in ["/v1/claim", "/v1/batch"] {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        let head =
+            format!("POST {route} HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999\r\n\r\n");
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let (status, body) = answer(&mut tcp).await;
+        assert_eq!(status, 413, "{route}: {body}");
+        assert_eq!(code(&body), "payload_too_large", "{body}");
+    }
+}
+
+#[tokio::test]
+async fn a_body_that_never_arrives_is_a_4xx_that_decided_nothing() {
+    let addr = start(Limits {
+        request_timeout_ms: 300,
+        ..Limits::default()
+    })
+    .await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"POST /v1/claim HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"")
+        .await
+        .unwrap();
+    let (status, body) = answer(&mut tcp).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(code(&body), "invalid_request", "{body}");
+    assert!(
+        body.contains("did not arrive") && !body.contains("may"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn clients_still_sending_their_bodies_hold_no_in_flight_slot() {
+    let addr = start(Limits {
+        in_flight_max: 2,
+        request_timeout_ms: 600_000,
+        ..Limits::default()
+    })
+    .await;
+    let body = r#"{"namespace":"slow","key":"k1"}"#;
+    // Two clients send only their heads. `Expect: 100-continue` makes the server say when it
+    // starts reading a body, so both are known to be past routing before the third request.
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /v1/claim HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 64];
+        let n = tcp.read(&mut buf).await.unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 100"),
+            "{:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        slow.push(tcp);
+    }
+    for i in 0..3 {
+        let (status, answer) = request(
+            addr,
+            "POST",
+            "/v1/claim",
+            &format!(r#"{{"namespace":"fast","key":"k{i}"}}"#),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    // The slow ones are answered once their bodies arrive.
+    for (i, mut tcp) in slow.into_iter().enumerate() {
+        let body = format!(r#"{{"namespace":"slow","key":"k{i}"}}"#);
+        tcp.write_all(body.as_bytes()).await.unwrap();
+        let (status, answer) = answer(&mut tcp).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+}
