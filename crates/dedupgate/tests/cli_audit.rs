@@ -323,3 +323,56 @@ fn audits_a_postgres_table_and_query() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(err(&bad).contains("nowhere"), "{}", err(&bad));
 }
+
+/// `--postgres` with nothing to read from it (no --query, --table, --against-query or
+/// --against-table) is a usage error; it used to be ignored, stdin audited instead, and even
+/// an unreachable URL accepted. A URL from DEDUPGATE_AUDIT_POSTGRES is only a default.
+#[test]
+fn postgres_without_query_or_table_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "a.jsonl", "{\"id\":1}\n");
+    let url = "postgres://x@127.0.0.1:1/none";
+    let o = dg()
+        .env_remove("DEDUPGATE_AUDIT_POSTGRES")
+        .args(["audit", "--key-fields", "id", "--postgres", url])
+        .stdin(fs::File::open(&file).unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    assert!(err(&o).contains("--query"), "{}", err(&o));
+    assert!(out(&o).is_empty(), "no report: {}", out(&o));
+    let o = dg()
+        .env("DEDUPGATE_AUDIT_POSTGRES", url)
+        .args(["audit", "--key-fields", "id"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+}
+
+/// `--rejects` naming an input or the source is refused before it is truncated.
+#[test]
+fn rejects_over_an_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "{\"id\":1}\n{\"x\":2}\n";
+    let dest = write(dir.path(), "dest.jsonl", text);
+    let source = write(dir.path(), "src.jsonl", text);
+    for (input, against) in [(&dest, None), (&dest, Some(&source))] {
+        for target in [&dest, &source] {
+            if against.is_none() && target == &source {
+                continue;
+            }
+            let mut c = dg();
+            c.args(["audit", "--key-fields", "id", "--rejects"])
+                .arg(target)
+                .arg(input);
+            if let Some(a) = against {
+                c.arg("--against").arg(a);
+            }
+            let o = c.output().unwrap();
+            assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+            assert!(err(&o).contains("is the input"), "{}", err(&o));
+            assert_eq!(fs::read_to_string(target).unwrap(), text);
+        }
+    }
+}

@@ -340,7 +340,11 @@ fn key_templates_with_time_windows() {
         .arg(&input)
         .output()
         .unwrap();
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(
+        bad.status.code(),
+        Some(2),
+        "a bad template is a usage error"
+    );
     assert!(err(&bad).contains("unknown unit"), "{}", err(&bad));
 }
 
@@ -1054,4 +1058,197 @@ fn ledger_cache_size_is_checked_and_used() {
     assert!(first.status.success(), "{}", err(&first));
     assert_eq!(out(&first), events(0..10));
     assert_eq!(out(&run("1")), "");
+}
+
+/// An output file is created (truncated) before the inputs are read: one that names an input,
+/// however spelled (`./`, a symlink, a hard link, stdin redirected from it), or another output
+/// is refused as a usage error before anything is touched. Found by an adversarial run:
+/// `dedup in.jsonl -o in.jsonl` emptied in.jsonl and exited 0.
+#[test]
+fn an_output_over_an_input_is_refused_and_the_input_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "{\"id\":1}\n{\"id\":2}\n{\"id\":1}\n";
+    let input = write(dir.path(), "in.jsonl", text);
+    let link = dir.path().join("link.jsonl");
+    std::os::unix::fs::symlink(&input, &link).unwrap();
+    let hard = dir.path().join("hard.jsonl");
+    fs::hard_link(&input, &hard).unwrap();
+    let dotted = dir.path().join(".").join("in.jsonl");
+    let fresh = dir.path().join("fresh.jsonl");
+    let fresh_dotted = dir.path().join(".").join("fresh.jsonl");
+    let cases: Vec<(Vec<&Path>, &str)> = vec![
+        (vec![Path::new("-o"), &input], "is the input"),
+        (vec![Path::new("-o"), &dotted], "is the input"),
+        (vec![Path::new("-o"), &link], "is the input"),
+        (vec![Path::new("--rejects"), &input], "is the input"),
+        (vec![Path::new("--rejects"), &hard], "is the input"),
+        (
+            vec![
+                Path::new("-o"),
+                &fresh,
+                Path::new("--rejects"),
+                &fresh_dotted,
+            ],
+            "are the same file",
+        ),
+    ];
+    for (flags, says) in cases {
+        for keep in ["first", "last"] {
+            let o = dg()
+                .args(["dedup", "--key-fields", "id", "--keep", keep])
+                .args(&flags)
+                .arg(&input)
+                .output()
+                .unwrap();
+            assert_eq!(o.status.code(), Some(2), "{flags:?}: {}", err(&o));
+            assert!(err(&o).contains(says), "{flags:?}: {}", err(&o));
+            assert_eq!(fs::read_to_string(&input).unwrap(), text, "{flags:?}");
+            assert!(!fresh.exists(), "{flags:?}: nothing is created");
+        }
+    }
+    // stdin redirected from the file that -o names.
+    let o = dg()
+        .args(["dedup", "--key-fields", "id", "-o"])
+        .arg(&input)
+        .stdin(fs::File::open(&input).unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    assert!(err(&o).contains("stdin"), "{}", err(&o));
+    assert_eq!(fs::read_to_string(&input).unwrap(), text);
+    // Different files are fine, and so is /dev/null for both outputs.
+    let o = dg()
+        .args(["dedup", "--key-fields", "id", "-o", "/dev/null"])
+        .args(["--rejects", "/dev/null"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    let o = dg()
+        .args(["dedup", "--key-fields", "id", "-o"])
+        .arg(&fresh)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    assert_eq!(
+        fs::read_to_string(&fresh).unwrap(),
+        "{\"id\":1}\n{\"id\":2}\n"
+    );
+}
+
+/// A run that cannot read an input fails before it creates or truncates any output (it used
+/// to empty `-o prev.jsonl` first, then fail on the missing input).
+#[test]
+fn a_missing_input_leaves_existing_outputs_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(dir.path(), "good.jsonl", "{\"id\":1}\n");
+    let prev = write(dir.path(), "prev.jsonl", "{\"id\":\"earlier run\"}\n");
+    let rejects = dir.path().join("rejects.jsonl");
+    for keep in ["first", "last"] {
+        for missing in [dir.path().join("nonexistent.jsonl"), dir.path().to_owned()] {
+            let o = dg()
+                .args(["dedup", "--key-fields", "id", "--keep", keep, "-o"])
+                .arg(&prev)
+                .arg("--rejects")
+                .arg(&rejects)
+                .arg(&good)
+                .arg(&missing)
+                .output()
+                .unwrap();
+            assert_eq!(o.status.code(), Some(1), "{}", err(&o));
+            assert!(err(&o).contains("cannot open input"), "{}", err(&o));
+            assert_eq!(
+                fs::read_to_string(&prev).unwrap(),
+                "{\"id\":\"earlier run\"}\n"
+            );
+            assert!(!rejects.exists());
+        }
+    }
+}
+
+/// Bad flags exit 2 as docs/cli.md says (they exited 1, like a failed run).
+#[test]
+fn usage_errors_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(dir.path(), "good.jsonl", "{\"id\":1}\n");
+    let csv = write(dir.path(), "c2.csv", "id\n1\n");
+    let good = good.to_str().unwrap();
+    let csv = csv.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![good], "give --key-fields a,b or --key-template T"),
+        (vec!["--key-fields", ",,", good], "--key-fields"),
+        (vec!["--key-template", "{x", good], "never closed"),
+        (vec!["--key-fields", "id", good, csv], "inputs mix formats"),
+        (
+            vec!["--key-fields", "id", "--namespace", "bad ns", good],
+            "--namespace",
+        ),
+        (vec!["--key-fields", "id", "-", "-"], "only once"),
+        (
+            vec!["--key-fields", "id", "--ledger", "nosuch://x", good],
+            "--ledger",
+        ),
+    ];
+    for (args, says) in cases {
+        let o = run_with_stdin(
+            {
+                let mut c = dg();
+                c.arg("dedup").args(&args);
+                c
+            },
+            b"",
+        );
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err(&o));
+        assert!(err(&o).contains(says), "{args:?}: {}", err(&o));
+        assert!(out(&o).is_empty(), "{args:?}");
+    }
+}
+
+/// `--keep last` spools stdin to a temporary file; messages and rejects still name `<stdin>`
+/// (they named the spool file, `/tmp/.tmpXXXX:2`).
+#[test]
+fn keep_last_names_stdin_not_its_spool_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run_with_stdin(
+        {
+            let mut c = dg();
+            c.args(["dedup", "--key-fields", "id", "--keep", "last"]);
+            c
+        },
+        b"{\"id\":1}\n{bad\n",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", err(&o));
+    assert!(err(&o).contains("<stdin>:2: malformed JSON"), "{}", err(&o));
+    let rejects = dir.path().join("rejects.jsonl");
+    let o = run_with_stdin(
+        {
+            let mut c = dg();
+            c.args(["dedup", "--key-fields", "id", "--keep", "last", "--rejects"])
+                .arg(&rejects);
+            c
+        },
+        b"{\"id\":1}\n{bad\n",
+    );
+    assert!(o.status.success(), "{}", err(&o));
+    let reject: serde_json::Value =
+        serde_json::from_str(fs::read_to_string(&rejects).unwrap().trim()).unwrap();
+    assert_eq!(reject["file"], "<stdin>");
+    assert_eq!(reject["line"], 2);
+}
+
+/// An error whose text already holds its cause does not say the cause twice (a ledger path
+/// under a regular file said `Not a directory (os error 20): Not a directory (os error 20)`).
+#[test]
+fn an_error_says_its_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(dir.path(), "good.jsonl", "{\"id\":1}\n");
+    let o = dg()
+        .args(["dedup", "--key-fields", "id", "--ledger"])
+        .arg(good.join("ledger"))
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", err(&o));
+    assert_eq!(err(&o).matches("(os error 20)").count(), 1, "{}", err(&o));
 }

@@ -272,3 +272,71 @@ fn sha256_hex(text: &str) -> String {
         .unwrap()
         .to_owned()
 }
+
+/// `-o` or `--rejects` naming an input (however spelled) is a usage error that leaves the
+/// input alone (it was emptied with exit 0); a missing input leaves an existing `-o` alone;
+/// bad flags exit 2 as docs/cli.md says (they exited 1).
+#[test]
+fn outputs_over_inputs_and_bad_flags_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "{\"a\":1}\n{\"a\":2}\n";
+    let input = dir.path().join("in.jsonl");
+    fs::write(&input, text).unwrap();
+    let link = dir.path().join("link.jsonl");
+    std::os::unix::fs::symlink(&input, &link).unwrap();
+    let dotted = dir.path().join(".").join("in.jsonl");
+    for (flag, path) in [("-o", &input), ("-o", &dotted), ("--rejects", &link)] {
+        let o = dg()
+            .args(["id", "--key-fields", "a", flag])
+            .arg(path)
+            .arg(&input)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{flag} {path:?}: {}", err(&o));
+        assert!(err(&o).contains("is the input"), "{}", err(&o));
+        assert_eq!(fs::read_to_string(&input).unwrap(), text);
+    }
+    let out = dir.path().join("out.jsonl");
+    let o = dg()
+        .args(["id", "--key-fields", "a", "-o"])
+        .arg(&out)
+        .arg("--rejects")
+        .arg(&out)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    assert!(err(&o).contains("are the same file"), "{}", err(&o));
+    assert!(!out.exists());
+
+    let prev = dir.path().join("prev.jsonl");
+    fs::write(&prev, "kept\n").unwrap();
+    let o = dg()
+        .args(["id", "--key-fields", "a", "-o"])
+        .arg(&prev)
+        .arg(dir.path().join("nonexistent.jsonl"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", err(&o));
+    assert_eq!(
+        err(&o).matches("No such file or directory").count(),
+        1,
+        "{}",
+        err(&o)
+    );
+    assert_eq!(fs::read_to_string(&prev).unwrap(), "kept\n");
+
+    let csv = dir.path().join("c.csv");
+    fs::write(&csv, "a\n1\n").unwrap();
+    for (args, says) in [
+        (vec!["--key-fields", ",,"], "--key-fields"),
+        (
+            vec!["--key-fields", "a", csv.to_str().unwrap()],
+            "inputs mix formats",
+        ),
+    ] {
+        let o = dg().arg("id").args(&args).arg(&input).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", err(&o));
+        assert!(err(&o).contains(says), "{args:?}: {}", err(&o));
+    }
+}

@@ -16,10 +16,10 @@ use anyhow::{bail, Context};
 use dedupgate_core::keys::{format_rfc3339_ms, parse_duration_ms, parse_timestamp_ms};
 use serde_json::json;
 
-use super::pipeline::input::{Format, Input};
+use super::pipeline::input::{check_inputs, check_outputs, Format, Input, Output};
 use super::pipeline::keyspec::{KeyArgs, KeySpec, Scratch};
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{now_ms, runtime, Rejects};
+use super::pipeline::{error_text, now_ms, runtime, usage, Rejects};
 
 /// Rejected records shown as examples in the report.
 const REJECT_SAMPLES_MAX: usize = 5;
@@ -96,7 +96,8 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
     match audit(args) {
         Ok(code) => Ok(code),
         Err(e) => {
-            eprintln!("dedupgate audit: {e:#}");
+            // Any failure, not only a usage error: exit 1 means duplicates were found.
+            eprintln!("dedupgate audit: {}", error_text(&e));
             Ok(ExitCode::from(2))
         }
     }
@@ -108,27 +109,84 @@ fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
         (Some(f), Some(w)) => Some((f.clone(), parse_duration_ms(w).context("--window")?)),
         _ => None,
     };
-    let mut rejects = Rejects::open(args.rejects.as_deref())?;
+    let dest_sql = sql_of(args.query.as_deref(), args.table.as_deref())?;
+    let source_sql = sql_of(args.against_query.as_deref(), args.against_table.as_deref())?;
+    if let Some(url) = &args.postgres {
+        // An explicit --postgres that nothing reads from would audit stdin or the files
+        // instead, silently; a URL from the environment is only a default.
+        let from_env = std::env::var("DEDUPGATE_AUDIT_POSTGRES").is_ok_and(|v| v == *url);
+        if dest_sql.is_none() && source_sql.is_none() && !from_env {
+            return Err(usage(
+                "--postgres needs --query SQL or --table NAME (or --against-query / --against-table) to say what to read",
+            ));
+        }
+    }
+    if dest_sql.is_some() && args.postgres.is_some() && !args.inputs.is_empty() {
+        return Err(usage("give files or --query/--table, not both"));
+    }
+    let dest_files = match (&dest_sql, &args.postgres) {
+        (Some(_), Some(_)) => None,
+        _ => Some(Input::from_args(&args.inputs)),
+    };
+    let source_files = match (&source_sql, &args.postgres) {
+        (Some(_), Some(_)) => None,
+        _ if !args.against.is_empty() => Some(Input::from_args(&args.against)),
+        _ => None,
+    };
+    // The rejects file is created only once every input is known to be readable (and the
+    // database has answered), and never over an input.
+    let all_files: Vec<Input> = dest_files
+        .iter()
+        .chain(source_files.iter())
+        .flatten()
+        .cloned()
+        .collect();
+    if let Some(path) = &args.rejects {
+        check_outputs(&all_files, &[Output::File("--rejects", path)])?;
+    }
+    check_inputs(&all_files)?;
+
     let rt = runtime()?;
     let mut temps = Vec::new();
-
-    let dest_sql = sql_of(args.query.as_deref(), args.table.as_deref())?;
-    let (dest_inputs, dest_format) = match (&dest_sql, &args.postgres) {
-        (Some(sql), Some(url)) => {
-            if !args.inputs.is_empty() {
-                bail!("give files or --query/--table, not both");
-            }
-            let path = rt.block_on(fetch_pg(url, sql))?;
-            let inputs = vec![Input::File(path.to_path_buf())];
-            temps.push(path);
-            (inputs, Format::Jsonl)
-        }
-        _ => {
-            let inputs = Input::from_args(&args.inputs);
+    let mut fetch = |sql: &str, name: String| -> anyhow::Result<Vec<Input>> {
+        let url = args.postgres.as_deref().unwrap_or_default();
+        let path = rt.block_on(fetch_pg(url, sql))?;
+        let inputs = vec![Input::Spooled {
+            path: path.to_path_buf(),
+            name,
+        }];
+        temps.push(path);
+        Ok(inputs)
+    };
+    let (dest_inputs, dest_format) = match (dest_files, &dest_sql) {
+        (Some(inputs), _) => {
             let format = Format::resolve(args.format, &inputs)?;
             (inputs, format)
         }
+        (None, sql) => {
+            let sql = sql.as_deref().unwrap_or_default();
+            let name = pg_name("--query", args.query.is_some(), "--table", &args.table);
+            (fetch(sql, name)?, Format::Jsonl)
+        }
     };
+    let source_inputs = match (source_files, &source_sql, &args.postgres) {
+        (Some(inputs), _, _) => {
+            let format = Format::resolve(args.format, &inputs)?;
+            Some((inputs, format))
+        }
+        (None, Some(sql), Some(_)) => {
+            let name = pg_name(
+                "--against-query",
+                args.against_query.is_some(),
+                "--against-table",
+                &args.against_table,
+            );
+            Some((fetch(sql, name)?, Format::Jsonl))
+        }
+        _ => None,
+    };
+
+    let mut rejects = Rejects::open(args.rejects.as_deref())?;
     let dest = tally(
         &spec,
         dest_format,
@@ -136,27 +194,11 @@ fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
         window.as_ref(),
         &mut rejects,
     )?;
-
-    let source_sql = sql_of(args.against_query.as_deref(), args.against_table.as_deref())?;
-    let source = match (&source_sql, &args.postgres) {
-        (Some(sql), Some(url)) => {
-            let path = rt.block_on(fetch_pg(url, sql))?;
-            let inputs = vec![Input::File(path.to_path_buf())];
-            temps.push(path);
-            Some(tally(
-                &spec,
-                Format::Jsonl,
-                inputs,
-                window.as_ref(),
-                &mut rejects,
-            )?)
-        }
-        _ if !args.against.is_empty() => {
-            let inputs = Input::from_args(&args.against);
-            let format = Format::resolve(args.format, &inputs)?;
+    let source = match source_inputs {
+        Some((inputs, format)) => {
             Some(tally(&spec, format, inputs, window.as_ref(), &mut rejects)?)
         }
-        _ => None,
+        None => None,
     };
     rejects.finish()?;
     drop(temps);
@@ -176,6 +218,15 @@ fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The name PostgreSQL rows go by in messages and rejects (their line is the row number):
+/// `<postgres --query>` or `<postgres --table NAME>`.
+fn pg_name(query_flag: &str, is_query: bool, table_flag: &str, table: &Option<String>) -> String {
+    match (is_query, table) {
+        (false, Some(t)) => format!("<postgres {table_flag} {t}>"),
+        _ => format!("<postgres {query_flag}>"),
+    }
 }
 
 /// The SQL for `--query` or `--table`.

@@ -23,16 +23,18 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use dedupgate_core::keys::RawObject;
 use dedupgate_core::Namespace;
 
 use super::pipeline::backend::Backend;
-use super::pipeline::input::{self, Format, Input};
+use super::pipeline::input::{self, check_inputs, check_outputs, Format, Input, Output};
 use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
 use super::pipeline::parallel::for_each_keyed_chunk;
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{line_value, now_ms, progress, Rejects, PROGRESS_EVERY_LINES};
+use super::pipeline::{
+    line_value, now_ms, progress, report_failure, usage, Rejects, PROGRESS_EVERY_LINES,
+};
 use dedupgate_embedded::EmbeddedOptions;
 use dedupgate_stores::StoreSpec;
 use ledger::Ledger;
@@ -130,18 +132,34 @@ struct Counts {
     duplicates: u64,
 }
 
-/// Runs `dedupgate dedup`.
+/// Runs `dedupgate dedup`: a usage error exits 2, any other failure 1.
 pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
+    Ok(dedup(args).unwrap_or_else(|e| report_failure("dedup", &e)))
+}
+
+fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let spec = args.key.spec()?;
     let inputs = Input::from_args(&args.inputs);
     if inputs.iter().filter(|i| **i == Input::Stdin).count() > 1 {
-        bail!("stdin (-) may be given only once");
+        return Err(usage("stdin (-) may be given only once"));
     }
     let format = Format::resolve(args.format, &inputs)?;
     let (ttl_ms, lock_wait_ms) = (args.ttl, args.lock_wait);
-    Namespace::new(args.namespace.clone()).context("--namespace")?;
-    let mut rejects = Rejects::open(args.rejects.as_deref())?;
+    Namespace::new(args.namespace.clone()).map_err(|e| usage(format!("--namespace: {e}")))?;
+    let store_spec: Option<StoreSpec> = args
+        .ledger
+        .as_deref()
+        .map(|s| s.parse().map_err(|e| usage(format!("--ledger: {e}"))))
+        .transpose()?;
+    // Nothing is created or truncated before the inputs are known to be readable and no
+    // output names an input or another output.
+    let mut outputs = vec![Output::of("-o", args.output.as_deref())];
+    if let Some(rejects) = &args.rejects {
+        outputs.push(Output::File("--rejects", rejects));
+    }
+    check_outputs(&inputs, &outputs)?;
+    check_inputs(&inputs)?;
     // One worker thread: a ledger call runs there while this thread keys the next batch.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -150,14 +168,13 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
         .context("starting the async runtime")?;
     let ledger = match (&args.ledger, &args.server) {
         (None, None) => None,
-        (ledger, server) => {
-            let spec: Option<StoreSpec> = ledger.as_deref().map(str::parse).transpose()?;
+        (_, server) => {
             let embedded = EmbeddedOptions {
                 cache_bytes: args.ledger_cache_mb << 20,
                 ..EmbeddedOptions::default()
             };
             Some(rt.block_on(Backend::open_with(
-                spec,
+                store_spec,
                 server.as_deref(),
                 lock_wait_ms,
                 embedded,
@@ -169,6 +186,7 @@ pub fn run(args: DedupArgs) -> anyhow::Result<ExitCode> {
         Keep::Last => input::spool_stdin(inputs)?,
     };
     let bar = progress(input::total_bytes(&inputs), args.quiet);
+    let mut rejects = Rejects::open(args.rejects.as_deref())?;
     let mut out = input::open_output(args.output.as_deref())?;
     let mut job = Job {
         spec: &spec,

@@ -10,12 +10,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use dedupgate_core::keys::KeyFields;
 
-use super::pipeline::input::{self, Format, Input};
-use super::pipeline::keyspec::{KeySpec, Scratch};
+use super::pipeline::input::{self, check_inputs, check_outputs, Format, Input, Output};
+use super::pipeline::keyspec::{key_fields, KeySpec, Scratch};
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{now_ms, progress, Rejects, PROGRESS_EVERY_LINES};
+use super::pipeline::{now_ms, progress, report_failure, usage, Rejects, PROGRESS_EVERY_LINES};
 
 /// Flags of `dedupgate id`.
 #[derive(clap::Args, Debug)]
@@ -46,13 +45,26 @@ pub struct IdArgs {
     quiet: bool,
 }
 
-/// Runs `dedupgate id`.
+/// Runs `dedupgate id`: a usage error exits 2, any other failure 1.
 pub fn run(args: IdArgs) -> anyhow::Result<ExitCode> {
-    let fields = KeyFields::parse(&args.key_fields)
-        .with_context(|| format!("--key-fields {:?}", args.key_fields))?;
-    let spec = KeySpec::Fields(fields);
+    Ok(id(args).unwrap_or_else(|e| report_failure("id", &e)))
+}
+
+fn id(args: IdArgs) -> anyhow::Result<ExitCode> {
+    let spec = KeySpec::Fields(key_fields(&args.key_fields)?);
     let inputs = Input::from_args(&args.inputs);
+    if inputs.iter().filter(|i| **i == Input::Stdin).count() > 1 {
+        return Err(usage("stdin (-) may be given only once"));
+    }
     let format = Format::resolve(args.format, &inputs)?;
+    // Nothing is created or truncated before the inputs are known to be readable and no
+    // output names an input or another output.
+    let mut outputs = vec![Output::of("-o", args.output.as_deref())];
+    if let Some(rejects) = &args.rejects {
+        outputs.push(Output::File("--rejects", rejects));
+    }
+    check_outputs(&inputs, &outputs)?;
+    check_inputs(&inputs)?;
     let mut rejects = Rejects::open(args.rejects.as_deref())?;
     let bar = progress(input::total_bytes(&inputs), args.quiet);
     let mut out = input::open_output(args.output.as_deref())?;

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
+use super::usage;
+
 /// Read buffer per input: large enough that a read is a few hundred lines.
 pub const READ_BUFFER_BYTES: usize = 1 << 20;
 /// Write buffer of the output.
@@ -43,11 +45,13 @@ impl Format {
             if let Input::File(path) = input {
                 if let Some(f) = Format::of_path(path) {
                     match found {
-                        Some((g, first)) if g != f => bail!(
-                            "inputs mix formats ({} is {g:?}, {} is {f:?}); give --format",
-                            first.display(),
-                            path.display()
-                        ),
+                        Some((g, first)) if g != f => {
+                            return Err(usage(format!(
+                                "inputs mix formats ({} is {g:?}, {} is {f:?}); give --format",
+                                first.display(),
+                                path.display()
+                            )))
+                        }
                         _ => found = Some((f, path)),
                     }
                 }
@@ -64,6 +68,14 @@ pub enum Input {
     Stdin,
     /// A file.
     File(PathBuf),
+    /// A temporary file holding what came from elsewhere (stdin spooled for a second pass, the
+    /// rows of a PostgreSQL query), read from `path` but named `name` in messages and rejects.
+    Spooled {
+        /// The temporary file.
+        path: PathBuf,
+        /// What it holds, e.g. `<stdin>`.
+        name: String,
+    },
 }
 
 impl Input {
@@ -89,6 +101,7 @@ impl Input {
         match self {
             Input::Stdin => "<stdin>".to_owned(),
             Input::File(p) => p.display().to_string(),
+            Input::Spooled { name, .. } => name.clone(),
         }
     }
 
@@ -99,6 +112,10 @@ impl Input {
             Input::File(p) => Box::new(
                 File::open(p).with_context(|| format!("cannot open input {}", p.display()))?,
             ),
+            Input::Spooled { path, name } => Box::new(
+                File::open(path)
+                    .with_context(|| format!("cannot open the spool file of {name}"))?,
+            ),
         })
     }
 
@@ -106,7 +123,9 @@ impl Input {
     pub fn len_bytes(&self) -> Option<u64> {
         match self {
             Input::Stdin => None,
-            Input::File(p) => std::fs::metadata(p).ok().map(|m| m.len()),
+            Input::File(p) | Input::Spooled { path: p, .. } => {
+                std::fs::metadata(p).ok().map(|m| m.len())
+            }
         }
     }
 }
@@ -114,6 +133,156 @@ impl Input {
 /// Total size of the inputs when every one is a file.
 pub fn total_bytes(inputs: &[Input]) -> Option<u64> {
     inputs.iter().map(Input::len_bytes).sum()
+}
+
+/// Checks that every input file can be opened and is not a directory, so that a run that
+/// cannot read its inputs fails before it creates (truncates) any output.
+pub fn check_inputs(inputs: &[Input]) -> anyhow::Result<()> {
+    for input in inputs {
+        if let Input::File(p) = input {
+            let cannot = || format!("cannot open input {}", p.display());
+            let meta = std::fs::metadata(p).with_context(cannot)?;
+            if meta.is_dir() {
+                bail!("cannot open input {}: it is a directory", p.display());
+            }
+            // A FIFO is not opened here: opening and closing it would disturb its writer.
+            if meta.is_file() {
+                File::open(p).with_context(cannot)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An output of a command, for [`check_outputs`].
+pub enum Output<'a> {
+    /// Standard output.
+    Stdout,
+    /// A file given with a flag (`-o`, `--rejects`).
+    File(&'static str, &'a Path),
+}
+
+impl<'a> Output<'a> {
+    /// The output of `flag` (e.g. `-o`): `None` or `-` is stdout.
+    pub fn of(flag: &'static str, path: Option<&'a Path>) -> Self {
+        match path {
+            Some(p) if p.as_os_str() != "-" => Output::File(flag, p),
+            _ => Output::Stdout,
+        }
+    }
+
+    fn label(&self) -> String {
+        match self {
+            Output::Stdout => "stdout".to_owned(),
+            Output::File(flag, p) => format!("{flag} {}", p.display()),
+        }
+    }
+
+    /// The identity of the file written, when it is a regular file or does not exist yet
+    /// (devices such as `/dev/null` may be shared), else `None`.
+    fn id(&self) -> Option<FileId> {
+        match self {
+            Output::Stdout => stdio_id(&io::stdout()),
+            Output::File(_, p) => match std::fs::metadata(p) {
+                Ok(meta) if meta.is_file() => Some(FileId::of(p, &meta)),
+                Ok(_) => None,
+                Err(_) => Some(FileId::Path(absolute(p))),
+            },
+        }
+    }
+}
+
+/// Identity of a file: device and inode when it exists (so a symlink, a hard link or another
+/// spelling of a path is the same file), else its absolute path.
+#[derive(Debug, PartialEq, Eq)]
+enum FileId {
+    #[cfg(unix)]
+    Inode(u64, u64),
+    Path(PathBuf),
+}
+
+impl FileId {
+    #[cfg(unix)]
+    fn of(_path: &Path, meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        FileId::Inode(meta.dev(), meta.ino())
+    }
+
+    #[cfg(not(unix))]
+    fn of(path: &Path, _meta: &std::fs::Metadata) -> Self {
+        FileId::Path(absolute(path))
+    }
+}
+
+/// `path` made absolute with its parent directory resolved (symlinks and `..`), for a file
+/// that may not exist yet.
+fn absolute(path: &Path) -> PathBuf {
+    if let Ok(p) = std::fs::canonicalize(path) {
+        return p;
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let parent = std::fs::canonicalize(&parent).unwrap_or(parent);
+    match path.file_name() {
+        Some(name) => parent.join(name),
+        None => parent,
+    }
+}
+
+/// The identity of the regular file stdin or stdout is redirected to, if it is one.
+#[cfg(unix)]
+fn stdio_id(stream: &impl std::os::fd::AsFd) -> Option<FileId> {
+    let fd = stream.as_fd().try_clone_to_owned().ok()?;
+    let meta = File::from(fd).metadata().ok()?;
+    meta.is_file().then(|| FileId::of(Path::new(""), &meta))
+}
+
+#[cfg(not(unix))]
+fn stdio_id<T>(_stream: &T) -> Option<FileId> {
+    None
+}
+
+/// Refuses, as a usage error, outputs that would overwrite an input or each other: an output
+/// file is created (truncated) before the inputs are read, so `-o in.jsonl` over the input
+/// `in.jsonl` would destroy it. Files are compared by device and inode, so a symlink, a hard
+/// link or `./in.jsonl` is caught; stdin and stdout count when redirected to a regular file.
+pub fn check_outputs(inputs: &[Input], outputs: &[Output<'_>]) -> anyhow::Result<()> {
+    let mut input_ids = Vec::new();
+    for input in inputs {
+        let id = match input {
+            Input::Stdin => stdio_id(&io::stdin()),
+            Input::File(p) => std::fs::metadata(p).ok().map(|m| FileId::of(p, &m)),
+            Input::Spooled { .. } => None,
+        };
+        if let Some(id) = id {
+            input_ids.push((input, id));
+        }
+    }
+    let mut seen: Vec<(&Output<'_>, FileId)> = Vec::new();
+    for output in outputs {
+        let Some(id) = output.id() else { continue };
+        if let Some((input, _)) = input_ids.iter().find(|(_, i)| *i == id) {
+            let input = match input {
+                Input::Stdin => "stdin (redirected from that file)".to_owned(),
+                other => other.name(),
+            };
+            return Err(usage(format!(
+                "{} is the input {input}: writing there would destroy the input; write to another file",
+                output.label()
+            )));
+        }
+        if let Some((other, _)) = seen.iter().find(|(_, o)| *o == id) {
+            return Err(usage(format!(
+                "{} and {} are the same file; give each its own",
+                other.label(),
+                output.label()
+            )));
+        }
+        seen.push((output, id));
+    }
+    Ok(())
 }
 
 /// Opens the output: a file (created or truncated) or stdout, buffered.
@@ -235,7 +404,7 @@ pub fn spool_stdin(inputs: Vec<Input>) -> anyhow::Result<(Vec<Input>, Option<tem
         return Ok((inputs, None));
     }
     if inputs.iter().filter(|i| **i == Input::Stdin).count() > 1 {
-        bail!("stdin (-) may be given only once");
+        return Err(usage("stdin (-) may be given only once"));
     }
     let mut file = tempfile::NamedTempFile::new().context("creating a spool file for stdin")?;
     io::copy(&mut io::stdin().lock(), &mut file).context("spooling stdin")?;
@@ -244,7 +413,10 @@ pub fn spool_stdin(inputs: Vec<Input>) -> anyhow::Result<(Vec<Input>, Option<tem
     let inputs = inputs
         .into_iter()
         .map(|i| match i {
-            Input::Stdin => Input::File(path.to_path_buf()),
+            Input::Stdin => Input::Spooled {
+                path: path.to_path_buf(),
+                name: Input::Stdin.name(),
+            },
             other => other,
         })
         .collect();

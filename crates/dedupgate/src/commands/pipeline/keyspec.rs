@@ -2,10 +2,12 @@
 //! `--key-template T` (a rendered key). Both give a 32-byte digest per record: the id itself
 //! for key fields, the SHA-256 of the rendered key for a template.
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use dedupgate_core::keys::{id_bytes, FieldValue, KeyFields, KeyTemplate, RawObject};
 use dedupgate_core::Key;
 use serde_json::{Map, Value};
+
+use super::usage;
 
 /// The key of the records.
 #[derive(Debug, Clone)]
@@ -32,16 +34,23 @@ impl KeyArgs {
     /// The key spec the flags give; one of them is required.
     pub fn spec(&self) -> anyhow::Result<KeySpec> {
         match (&self.key_fields, &self.key_template) {
-            (Some(f), None) => Ok(KeySpec::Fields(
-                KeyFields::parse(f).with_context(|| format!("--key-fields {f:?}"))?,
+            (Some(f), None) => Ok(KeySpec::Fields(key_fields(f)?)),
+            (None, Some(t)) => {
+                Ok(KeySpec::Template(KeyTemplate::parse(t).map_err(|e| {
+                    usage(format!("--key-template {t:?}: {e}"))
+                })?))
+            }
+            (None, None) => Err(usage("give --key-fields a,b or --key-template T")),
+            (Some(_), Some(_)) => Err(usage(
+                "give either --key-fields or --key-template, not both",
             )),
-            (None, Some(t)) => Ok(KeySpec::Template(
-                KeyTemplate::parse(t).with_context(|| format!("--key-template {t:?}"))?,
-            )),
-            (None, None) => bail!("give --key-fields a,b or --key-template T"),
-            (Some(_), Some(_)) => bail!("give either --key-fields or --key-template, not both"),
         }
     }
+}
+
+/// The fields of `--key-fields`; bad ones are a usage error.
+pub fn key_fields(text: &str) -> anyhow::Result<KeyFields> {
+    KeyFields::parse(text).map_err(|e| usage(format!("--key-fields {text:?}: {e}")))
 }
 
 /// Why one record has no key. Goes to the rejects file or stops the run.

@@ -19,6 +19,54 @@ use serde_json::json;
 
 use self::input::Position;
 
+/// A usage error of a pipeline command (bad flags, flags that contradict each other, an output
+/// that names an input): the command exits 2 (docs/cli.md), where a failed run exits 1.
+/// Found with `anyhow::Error::downcast_ref` through any context added on the way out.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// A usage error (exit 2) saying `message`.
+pub fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+/// True when `e`, or an error it wraps, is a [`UsageError`].
+pub fn is_usage(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<UsageError>().is_some()
+}
+
+/// Prints `e` as `dedupgate COMMAND: message: cause: …` and gives the exit code of a pipeline
+/// command that failed: 2 for a usage error, else 1.
+pub fn report_failure(command: &str, e: &anyhow::Error) -> std::process::ExitCode {
+    eprintln!("dedupgate {command}: {}", error_text(e));
+    std::process::ExitCode::from(if is_usage(e) { 2 } else { 1 })
+}
+
+/// `e` and its causes joined with `: `, each said once: a cause whose text is already in the
+/// message (an error that prints its source and also returns it as its source) is left out.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if part.is_empty() || text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
+}
+
 /// Lines between two progress bar updates (an update is cheap, but not free per line).
 pub const PROGRESS_EVERY_LINES: u64 = 16_384;
 
