@@ -84,36 +84,90 @@ fn sixty_four_clients_on_overlapping_keys_get_one_new_per_key() {
     }
 }
 
-/// Opens a request whose body has not fully arrived, and waits until the server counts it in
-/// flight. Returns the connection and the rest of the body.
-fn slow_request(s: &Server) -> (TcpStream, Vec<u8>) {
-    let body = br#"{"namespace":"slow","key":"k"}"#.to_vec();
-    let mut tcp = TcpStream::connect(s.addr).unwrap();
-    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        tcp,
-        "POST /v1/claim HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    tcp.write_all(&body[..4]).unwrap();
-    eventually(20, "the slow request to be in flight", || {
-        s.metric("dedupgate_requests_in_flight") >= 1.0
-    });
-    (tcp, body[4..].to_vec())
+/// A gate over a redis-server of its own, whose requests can be made to wait in the store: the
+/// server is paused (SIGSTOP) and resumed. A request's in-flight slot is taken once its body has
+/// arrived (a slow body holds none), so a request waiting on its store is what holds one.
+struct PausableGate {
+    redis: OwnRedis,
+    server: Server,
+}
+
+impl PausableGate {
+    fn start(args: &[&str]) -> Self {
+        let redis = OwnRedis::start(free_port());
+        // The store waits for the paused server longer than any test pauses it.
+        let store = format!("redis://127.0.0.1:{}?response_timeout_ms=60000", redis.port);
+        let mut all = vec!["--store", store.as_str()];
+        all.extend_from_slice(args);
+        let server = serve(&all);
+        // One answered claim first, so the store's connection is up before any pause.
+        assert_eq!(
+            server
+                .post_json("/v1/claim", &json!({"namespace": "warm", "key": "k"}))
+                .status,
+            200
+        );
+        Self { redis, server }
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.redis.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} redis-server");
+    }
+
+    /// Sends a whole claim of `key` and returns its connection, the answer still to be read.
+    fn send_claim(&self, key: &str) -> TcpStream {
+        let body = json!({"namespace": "held", "key": key}).to_string();
+        let mut tcp = TcpStream::connect(self.server.addr).unwrap();
+        tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        write!(
+            tcp,
+            "POST /v1/claim HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        tcp
+    }
+}
+
+impl Drop for PausableGate {
+    fn drop(&mut self) {
+        // Continued before its fields go (the redis-server is killed then), so a test that
+        // fails while it is paused leaves no stopped process behind either way.
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.redis.child.id().to_string()])
+            .status();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[test]
 fn in_flight_cap_answers_503_with_retry_after_and_clients_retry() {
-    let s = serve(&["--store", "memory:", "--in-flight-max", "1"]);
-    let (mut slow, rest) = slow_request(&s);
+    let g = PausableGate::start(&["--in-flight-max", "1", "--request-timeout", "60s"]);
+    let s = &g.server;
+    g.signal("-STOP");
+    let mut held = g.send_claim("first");
+    eventually(20, "the held request to be in flight", || {
+        s.metric("dedupgate_requests_in_flight") >= 1.0
+    });
     let r = s.post_json("/v1/claim", &json!({"namespace": "cap", "key": "k"}));
     r.assert_problem(503, "unavailable");
     assert_eq!(r.header("retry-after"), Some("1"));
-    // Monitoring stays answerable at the cap.
-    assert_eq!(s.get("/healthz").status, 200);
+    // Monitoring stays answerable at the cap (/healthz would ask the paused store).
+    assert_eq!(s.get("/metrics").status, 200);
 
-    // The CLI's client retries on 503: it succeeds once the slow request is done.
+    // The CLI's client retries on 503: it succeeds once the held request is done.
     let cli = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
         .args(["claim", "--server", &s.url(), "-n", "cap", "-k", "retried"])
         .stdout(Stdio::piped())
@@ -123,8 +177,8 @@ fn in_flight_cap_answers_503_with_retry_after_and_clients_retry() {
     eventually(20, "the CLI's first try to get a 503", || {
         s.metric(r#"dedupgate_errors_total{code="unavailable"}"#) >= 2.0
     });
-    slow.write_all(&rest).unwrap();
-    assert_eq!(read_response(&mut slow).status, 200);
+    g.signal("-CONT");
+    assert_eq!(read_response(&mut held).status, 200);
     let out = cli.wait_with_output().unwrap();
     assert!(
         out.status.success(),
@@ -137,13 +191,14 @@ fn in_flight_cap_answers_503_with_retry_after_and_clients_retry() {
 }
 
 #[test]
-fn slow_requests_time_out_with_503() {
-    let s = serve(&["--store", "memory:", "--request-timeout", "300ms"]);
-    let (mut slow, _rest) = slow_request(&s);
-    let r = read_response(&mut slow);
+fn slow_decisions_time_out_with_503() {
+    let g = PausableGate::start(&["--request-timeout", "300ms"]);
+    g.signal("-STOP");
+    let mut held = g.send_claim("slow");
+    let r = read_response(&mut held);
     r.assert_problem(503, "unavailable");
     assert_eq!(r.header("retry-after"), Some("1"));
-    assert!(s.record("slow", "k").is_none());
+    g.signal("-CONT");
 }
 
 const CLIENT_TOKEN: &str = "client-token-0123456789abcdef";
@@ -420,12 +475,7 @@ fn cli_api_subcommands_against_the_server() {
 #[test]
 fn cli_api_subcommands_tell_could_not_ask_from_no_record() {
     // A port nothing listens on: bound, read, released.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let dead = format!("http://127.0.0.1:{port}");
+    let dead = format!("http://127.0.0.1:{}", free_port());
     for cmd in ["get", "claim", "mark", "forget"] {
         let (code, _, err) = cli(&[cmd, "--server", &dead, "-n", "shell", "-k", "a"]);
         assert_eq!(code, 3, "{cmd}: {err}");
