@@ -83,16 +83,24 @@ pub enum LoadError {
     #[error("bench needs an http://host:port server URL, got {0:?}")]
     Url(String),
     /// A connection could not be made.
-    #[error("cannot connect to {addr}: {source}")]
+    #[error("cannot connect to {addr}: {cause}")]
     Connect {
         /// The address.
         addr: String,
-        /// Why.
-        source: std::io::Error,
+        /// Why (in the message, so not also the error's source).
+        cause: std::io::Error,
     },
     /// The HTTP handshake failed.
     #[error("HTTP handshake failed: {0}")]
-    Handshake(#[from] hyper::Error),
+    Handshake(hyper::Error),
+}
+
+// By hand rather than `#[from]`: the message already holds the cause, so it is not also the
+// error's source (a report walking the sources would say it twice).
+impl From<hyper::Error> for LoadError {
+    fn from(e: hyper::Error) -> Self {
+        LoadError::Handshake(e)
+    }
 }
 
 struct ConnStats {
@@ -166,9 +174,9 @@ async fn one_connection(
 ) -> Result<ConnStats, LoadError> {
     let stream = tokio::net::TcpStream::connect(&addr)
         .await
-        .map_err(|source| LoadError::Connect {
+        .map_err(|cause| LoadError::Connect {
             addr: addr.clone(),
-            source,
+            cause,
         })?;
     let _ = stream.set_nodelay(true);
     let (mut sender, connection) =

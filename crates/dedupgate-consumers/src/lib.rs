@@ -196,20 +196,20 @@ pub enum Rejection {
         field: &'static str,
     },
     /// The key comes from a template and the payload is not JSON.
-    #[error("the payload is not JSON, so key template {template:?} cannot be rendered: {source}")]
+    #[error("the payload is not JSON, so key template {template:?} cannot be rendered: {cause}")]
     NotJson {
         /// The template.
         template: String,
         /// The parse error.
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
     /// The template could not be rendered for this payload (a missing or null field, …).
-    #[error("key template {template:?}: {source}")]
+    #[error("key template {template:?}: {cause}")]
     Template {
         /// The template.
         template: String,
         /// Which field and why.
-        source: RenderError,
+        cause: RenderError,
     },
     /// The key is not a valid gate key (empty, longer than 1024 bytes).
     #[error("invalid key: {0}")]
@@ -619,16 +619,16 @@ impl ConsumerGate {
             },
             KeySource::Template(template) => {
                 let event: serde_json::Value =
-                    serde_json::from_slice(payload).map_err(|source| Rejection::NotJson {
+                    serde_json::from_slice(payload).map_err(|cause| Rejection::NotJson {
                         template: template.as_str().to_owned(),
-                        source,
+                        cause,
                     })?;
                 let now_ms = i64::try_from(SystemClock::default().now_ms()).unwrap_or(i64::MAX);
                 template
                     .render(&event, now_ms)
-                    .map_err(|source| Rejection::Template {
+                    .map_err(|cause| Rejection::Template {
                         template: template.as_str().to_owned(),
-                        source,
+                        cause,
                     })
             }
         }

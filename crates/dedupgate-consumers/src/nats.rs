@@ -29,12 +29,12 @@ pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
 #[non_exhaustive]
 pub enum NatsError {
     /// The ack, nak or term failed.
-    #[error("nats: could not {action} the message: {source}")]
+    #[error("nats: could not {action} the message: {cause}")]
     Settle {
         /// `ack`, `nak` or `term`.
         action: &'static str,
         /// The client error.
-        source: async_nats::Error,
+        cause: async_nats::Error,
     },
 }
 
@@ -121,8 +121,8 @@ pub async fn settle(message: &JsMessage, action: Action) -> Result<(), NatsError
         }
         Action::Reject => ("term", message.ack_with(AckKind::Term).await),
     };
-    result.map_err(|source| NatsError::Settle {
+    result.map_err(|cause| NatsError::Settle {
         action: name,
-        source,
+        cause,
     })
 }

@@ -35,14 +35,14 @@ pub const MESSAGE_ID_FIELD: &str = "AMQP message_id property";
 pub enum RabbitError {
     /// Connecting failed.
     #[error("rabbitmq: cannot connect: {0}")]
-    Connect(#[source] lapin::Error),
+    Connect(lapin::Error),
     /// The ack, nack or reject failed (a closed channel or connection).
-    #[error("rabbitmq: could not {action} the delivery: {source}")]
+    #[error("rabbitmq: could not {action} the delivery: {cause}")]
     Settle {
         /// `ack`, `nack` or `reject`.
         action: &'static str,
         /// The broker error.
-        source: lapin::Error,
+        cause: lapin::Error,
     },
 }
 
@@ -198,5 +198,5 @@ pub async fn settle(delivery: &Delivery, action: Action) -> Result<(), RabbitErr
     };
     result
         .map(|_| ())
-        .map_err(|(action, source)| RabbitError::Settle { action, source })
+        .map_err(|(action, cause)| RabbitError::Settle { action, cause })
 }

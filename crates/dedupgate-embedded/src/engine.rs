@@ -14,13 +14,21 @@ use std::path::{Path, PathBuf};
 pub enum EngineError {
     /// The operating system refused a read, write or sync.
     #[error("I/O error: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     /// The engine found data it cannot read.
     #[error("engine data is corrupt: {0}")]
     Corrupt(String),
     /// Anything else the engine reported.
     #[error("{0}")]
     Other(String),
+}
+
+// By hand rather than `#[from]`: the message already holds the cause, so it is not also the
+// error's source (a report walking the sources would say it twice).
+impl From<std::io::Error> for EngineError {
+    fn from(e: std::io::Error) -> Self {
+        EngineError::Io(e)
+    }
 }
 
 /// One write transaction, as the writer sees it. Reads may see the state before the

@@ -29,20 +29,20 @@ pub enum OpenError {
         dir: PathBuf,
     },
     /// The directory or a file in it cannot be written.
-    #[error("store path {path} is read-only or not writable: {source}")]
+    #[error("store path {path} is read-only or not writable: {cause}")]
     ReadOnly {
         /// The path that refused a write.
         path: PathBuf,
-        /// The operating system's answer.
-        source: io::Error,
+        /// The operating system's answer (in the message, so not also the error's source).
+        cause: io::Error,
     },
     /// The file system has no space left.
-    #[error("no space left for the store at {path}: {source}")]
+    #[error("no space left for the store at {path}: {cause}")]
     Full {
         /// The path that refused a write.
         path: PathBuf,
-        /// The operating system's answer.
-        source: io::Error,
+        /// The operating system's answer (in the message, so not also the error's source).
+        cause: io::Error,
     },
     /// The store's files hold data the engine cannot read.
     #[error("store file {path} is corrupt or not a dedupgate store: {detail}")]
@@ -70,12 +70,12 @@ pub enum OpenError {
     #[error("invalid embedded store options: {0}")]
     Options(String),
     /// Any other I/O failure.
-    #[error("store path {path}: {source}")]
+    #[error("store path {path}: {cause}")]
     Io {
         /// The path.
         path: PathBuf,
-        /// The operating system's answer.
-        source: io::Error,
+        /// The operating system's answer (in the message, so not also the error's source).
+        cause: io::Error,
     },
     /// Any other engine failure.
     #[error("store file {path}: {detail}")]
@@ -89,19 +89,19 @@ pub enum OpenError {
 
 impl OpenError {
     /// Classifies an I/O error met while touching `path`.
-    pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, cause: io::Error) -> Self {
         let path = path.into();
         const ENOSPC: i32 = 28;
         const EROFS: i32 = 30;
         const EDQUOT: i32 = 122;
         const EACCES: i32 = 13;
         const EPERM: i32 = 1;
-        match source.raw_os_error() {
-            Some(ENOSPC | EDQUOT) => OpenError::Full { path, source },
-            Some(EROFS | EACCES | EPERM) => OpenError::ReadOnly { path, source },
-            _ => match source.kind() {
-                io::ErrorKind::PermissionDenied => OpenError::ReadOnly { path, source },
-                _ => OpenError::Io { path, source },
+        match cause.raw_os_error() {
+            Some(ENOSPC | EDQUOT) => OpenError::Full { path, cause },
+            Some(EROFS | EACCES | EPERM) => OpenError::ReadOnly { path, cause },
+            _ => match cause.kind() {
+                io::ErrorKind::PermissionDenied => OpenError::ReadOnly { path, cause },
+                _ => OpenError::Io { path, cause },
             },
         }
     }

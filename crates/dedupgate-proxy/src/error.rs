@@ -42,5 +42,13 @@ pub enum ServeError {
     Config(#[from] ConfigError),
     /// Binding or accepting failed.
     #[error("proxy I/O: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
+}
+
+// By hand rather than `#[from]`: the message already holds the cause, so it is not also the
+// error's source (a report walking the sources would say it twice).
+impl From<std::io::Error> for ServeError {
+    fn from(e: std::io::Error) -> Self {
+        ServeError::Io(e)
+    }
 }

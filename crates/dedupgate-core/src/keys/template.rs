@@ -84,10 +84,18 @@ pub enum TemplateError {
     },
     /// `window:5x`.
     #[error("key template: window duration: {0}")]
-    Duration(#[from] DurationError),
+    Duration(DurationError),
     /// No placeholder and no text.
     #[error("key template is empty")]
     Empty,
+}
+
+// By hand rather than `#[from]`: the message already holds the cause, so it is not also the
+// error's source (a report walking the sources would say it twice).
+impl From<DurationError> for TemplateError {
+    fn from(e: DurationError) -> Self {
+        TemplateError::Duration(e)
+    }
 }
 
 /// Why a template could not be rendered for one event. Each names the field.
@@ -121,12 +129,12 @@ pub enum RenderError {
         found: &'static str,
     },
     /// `window` got something that is not a timestamp.
-    #[error("field `{field}`: {source}")]
+    #[error("field `{field}`: {cause}")]
     Timestamp {
         /// The dot path.
         field: String,
-        /// Why the value is not a timestamp.
-        source: TimestampError,
+        /// Why the value is not a timestamp (in the message, so not also the error's source).
+        cause: TimestampError,
     },
 }
 
@@ -422,16 +430,16 @@ fn number_text(n: &serde_json::Number) -> &str {
 fn render_instant(ms: i64, with_ms: bool, label: &str) -> Result<String, RenderError> {
     format_rfc3339_ms(ms, with_ms).ok_or_else(|| RenderError::Timestamp {
         field: label.to_owned(),
-        source: TimestampError::OutOfRange {
+        cause: TimestampError::OutOfRange {
             input: ms.to_string(),
         },
     })
 }
 
 fn apply<'a>(filter: Filter, value: Scalar<'a>, label: &str) -> Result<Scalar<'a>, RenderError> {
-    let ts_err = |source| RenderError::Timestamp {
+    let ts_err = |cause| RenderError::Timestamp {
         field: label.to_owned(),
-        source,
+        cause,
     };
     Ok(match filter {
         Filter::Window { window_ms } => {
