@@ -2,6 +2,7 @@
 //! in-flight cap, the request timeout, latency and error metrics to every request (after its
 //! body has been read, so a slow sender holds no in-flight slot).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,6 +88,39 @@ pub struct AppState {
     auth: Auth,
     metrics: Metrics,
     in_flight: Arc<Semaphore>,
+    /// Bytes of request bodies being received right now (see [`AppState::read_body`]).
+    receiving: AtomicUsize,
+}
+
+/// Bodies are read before a request takes an in-flight slot, so the slots do not bound the
+/// memory they hold: at most this many bodies of the largest size are received at once, in
+/// bytes (256 MiB with the default 16 MiB limit); a request whose body would pass it is
+/// answered 503 with `Retry-After`, nothing decided.
+pub const BODIES_RECEIVED_AT_ONCE: usize = 16;
+
+/// Gives back the bytes a body reserved in [`AppState::receiving`] when its read ends.
+struct Receiving<'a> {
+    total: &'a AtomicUsize,
+    held: usize,
+}
+
+impl Receiving<'_> {
+    /// Reserves `n` more bytes, or says the budget is spent (nothing reserved then).
+    fn reserve(&mut self, n: usize, budget: usize) -> bool {
+        let before = self.total.fetch_add(n, Ordering::Relaxed);
+        if before + n > budget {
+            self.total.fetch_sub(n, Ordering::Relaxed);
+            return false;
+        }
+        self.held += n;
+        true
+    }
+}
+
+impl Drop for Receiving<'_> {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.held, Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for AppState {
@@ -105,6 +139,7 @@ impl AppState {
             auth: Auth::new(&config.tokens),
             metrics: Metrics::new(config.namespace_labels_max),
             in_flight: Arc::new(Semaphore::new(config.limits.in_flight_max)),
+            receiving: AtomicUsize::new(0),
             store,
             config,
         })
@@ -149,8 +184,10 @@ impl AppState {
     }
 
     /// Reads a request body: 413 at once when its announced length (`Content-Length`) is over
-    /// the configured limit, 413 once it passes the limit while it is read, and 400 when it has
-    /// not arrived whole within the request timeout. Nothing is decided in any of these cases.
+    /// the configured limit, 413 once it passes the limit while it is read, 400 when it has
+    /// not arrived whole within the request timeout, and 503 with `Retry-After` when the bodies
+    /// being received would pass [`BODIES_RECEIVED_AT_ONCE`] of the limit. Nothing is decided
+    /// in any of these cases.
     async fn read_body<B>(&self, body: B) -> Result<Bytes, Problem>
     where
         B: HttpBody<Data = Bytes>,
@@ -164,9 +201,14 @@ impl AppState {
             )));
         }
         let timeout_ms = self.config.limits.request_timeout_ms;
+        let budget = limit.saturating_mul(BODIES_RECEIVED_AT_ONCE);
+        let receiving = Receiving {
+            total: &self.receiving,
+            held: 0,
+        };
         tokio::time::timeout(
             Duration::from_millis(timeout_ms),
-            Self::collect_body(body, limit),
+            self.collect_body(body, limit, budget, receiving),
         )
         .await
         .unwrap_or_else(|_| {
@@ -176,8 +218,15 @@ impl AppState {
         })
     }
 
-    /// Collects a body, refusing it with 413 once it passes `limit`.
-    async fn collect_body<B>(body: B, limit: usize) -> Result<Bytes, Problem>
+    /// Collects a body, refusing it with 413 once it passes `limit`, and with 503 when its
+    /// bytes would take the bodies being received past `budget`.
+    async fn collect_body<B>(
+        &self,
+        body: B,
+        limit: usize,
+        budget: usize,
+        mut receiving: Receiving<'_>,
+    ) -> Result<Bytes, Problem>
     where
         B: HttpBody<Data = Bytes>,
         B::Error: Into<BoxError>,
@@ -198,6 +247,12 @@ impl AppState {
             let Ok(data) = frame.into_data() else {
                 continue;
             };
+            if !receiving.reserve(data.len(), budget) {
+                return Err(Problem::unavailable(format!(
+                    "the server is receiving more than {budget} bytes of request bodies; \
+                     retry later (nothing was decided)"
+                )));
+            }
             if first.is_empty() && joined.is_empty() {
                 first = data;
             } else {

@@ -31,7 +31,7 @@ pub mod problem;
 pub mod server;
 pub mod wire;
 
-pub use app::{router, AppState, Route, ROUTES};
+pub use app::{router, AppState, Route, BODIES_RECEIVED_AT_ONCE, ROUTES};
 pub use auth::{Auth, Principal};
 pub use config::{
     check_tokens, parse_duration_ms, ConfigError, FileConfig, Limits, Role, ServerConfig, TokenRule,

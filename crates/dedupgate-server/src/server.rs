@@ -15,12 +15,15 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::app::AppState;
+
+/// Longest a request head may take to arrive.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long to wait after an accept error that is not about one connection (no file
 /// descriptors left, no memory): retrying at once would spin.
@@ -40,7 +43,11 @@ pub async fn serve(
         .http1()
         // Answers are small: one buffer and one write(2) per answer instead of a writev(2)
         // of the head and the body.
-        .writev(false);
+        .writev(false)
+        // A client that trickles its request head holds a connection (a file descriptor) for
+        // at most this long; without a timer hyper applies no header timeout at all.
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
     let builder = Arc::new(builder);
     let mut shutdown = std::pin::pin!(shutdown);
     // Every connection task holds a clone of `done_rx`; `done_tx.closed()` resolves once all

@@ -173,3 +173,61 @@ async fn clients_still_sending_their_bodies_hold_no_in_flight_slot() {
         assert_eq!(status, 200, "{answer}");
     }
 }
+
+/// Found by review: bodies are read before a request takes an in-flight slot, so the slots no
+/// longer bounded the memory of bodies being received. At most `BODIES_RECEIVED_AT_ONCE` bodies
+/// of the largest size are held at once; past that a request is answered 503 (nothing decided),
+/// and the budget comes back as the slow bodies finish.
+#[tokio::test]
+async fn bodies_being_received_are_bounded_in_bytes() {
+    const LIMIT: usize = 1024;
+    let addr = start(Limits {
+        body_bytes_max: LIMIT,
+        request_timeout_ms: 600_000,
+        ..Limits::default()
+    })
+    .await;
+    // A claim padded with spaces (valid JSON) to `LIMIT` bytes.
+    let padded = |key: &str| {
+        let mut body = format!(r#"{{"namespace":"big","key":"{key}"}}"#);
+        body.push_str(&" ".repeat(LIMIT - body.len()));
+        body
+    };
+    // Enough slow senders to hold the whole budget with all but the last 10 bytes of each body.
+    let mut slow = Vec::new();
+    for i in 0..dedupgate_server::BODIES_RECEIVED_AT_ONCE {
+        let body = padded(&format!("slow{i}"));
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        let head = format!("POST /v1/claim HTTP/1.1\r\nhost: x\r\ncontent-length: {LIMIT}\r\n\r\n");
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        tcp.write_all(&body.as_bytes()[..LIMIT - 10]).await.unwrap();
+        slow.push((tcp, body));
+    }
+    // The server reads the slow bodies as they arrive; once it has, a further body is refused.
+    let mut refused = None;
+    for attempt in 0..200 {
+        let (status, answer) = request(
+            addr,
+            "POST",
+            "/v1/claim",
+            &padded(&format!("more{attempt}")),
+        )
+        .await;
+        if status == 503 {
+            refused = Some(answer);
+            break;
+        }
+        assert_eq!(status, 200, "{answer}");
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    let refused = refused.expect("a body past the budget is refused");
+    assert_eq!(code(&refused), "unavailable");
+    // The slow bodies finish; each is decided, and the budget is free again.
+    for (mut tcp, body) in slow {
+        tcp.write_all(&body.as_bytes()[LIMIT - 10..]).await.unwrap();
+        let (status, answer) = answer(&mut tcp).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let (status, answer) = request(addr, "POST", "/v1/claim", &padded("after")).await;
+    assert_eq!(status, 200, "{answer}");
+}
