@@ -538,13 +538,15 @@ fn a_store_held_by_a_server_is_refused_with_the_way_through_it() {
         stderr(&waited)
     );
     assert_eq!(env.count_lines("count"), 0, "CMD must not run");
-    // The API subcommands on the store directly say the same.
+    // The API subcommands on the store directly say the same, after their own --lock-wait,
+    // and exit 3: the gate could not be asked.
     let claim = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
         .env("RUST_LOG", "warn")
         .args(["claim", "--store", &store, "-n", "run", "-k", "held"])
+        .args(["--lock-wait", "200ms"])
         .output()
         .unwrap();
-    assert_eq!(code(&claim), 1, "{}", stderr(&claim));
+    assert_eq!(code(&claim), 3, "{}", stderr(&claim));
     for hint in hints {
         assert!(stderr(&claim).contains(hint), "{hint}: {}", stderr(&claim));
     }

@@ -474,10 +474,11 @@ fn cli_api_subcommands_against_the_server() {
 /// is down. "Could not ask" is exit 3, for every API subcommand.
 #[test]
 fn cli_api_subcommands_tell_could_not_ask_from_no_record() {
-    // A port nothing listens on: bound, read, released.
-    let dead = format!("http://127.0.0.1:{}", free_port());
+    // Port 1: nothing listens there (a free port found by binding could be taken meanwhile by
+    // a server another test starts).
+    let dead = "http://127.0.0.1:1";
     for cmd in ["get", "claim", "mark", "forget"] {
-        let (code, _, err) = cli(&[cmd, "--server", &dead, "-n", "shell", "-k", "a"]);
+        let (code, _, err) = cli(&[cmd, "--server", dead, "-n", "shell", "-k", "a"]);
         assert_eq!(code, 3, "{cmd}: {err}");
         assert!(!err.contains("not_found"), "{cmd}: {err}");
     }
@@ -494,6 +495,11 @@ fn cli_api_subcommands_tell_could_not_ask_from_no_record() {
         "a",
     ]);
     assert_eq!(code, 3, "{err}");
+    // A malformed URL or store spec is a usage error, not "could not ask".
+    let (code, _, err) = cli(&["get", "--server", "not-a-url", "-n", "s", "-k", "a"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = cli(&["get", "--store", "nosuch://x", "-n", "s", "-k", "a"]);
+    assert_eq!(code, 2, "{err}");
 }
 
 /// Found by an adversarial run: twenty `mark --store DIR` started at once failed (19 of 20,
@@ -511,6 +517,8 @@ fn concurrent_api_subcommands_on_one_store_directory_wait_their_turn() {
             Command::new(env!("CARGO_BIN_EXE_dedupgate"))
                 .args([
                     "mark",
+                    "--lock-wait",
+                    "5m",
                     "--store",
                     store,
                     "-n",

@@ -3,7 +3,7 @@
 //! (`--store STORE`, through `dedupgate_core::Gate`). Both print the same JSON as the HTTP API's
 //! success body on stdout and exit 0 (a duplicate is an answer, not an error). The gate's
 //! refusal (`lease_lost`, `fingerprint_mismatch`, …, and `get` of an absent key) prints its code
-//! and detail on stderr and exits 1; when the gate could not be asked or decided nothing
+//! and detail on stderr and exits 1; when the gate could not be asked or gave no answer
 //! (`unavailable`, a server or store that cannot be reached or opened) the exit is
 //! [`EXIT_NOT_DECIDED`], so a script never takes "could not ask" for "no record".
 
@@ -20,7 +20,7 @@ use dedupgate_stores::StoreSpec;
 
 use crate::commands::pipeline::backend::open_waiting;
 
-/// Exit code when the gate could not be asked or decided nothing (docs/cli.md).
+/// Exit code when the gate could not be asked or gave no answer (docs/cli.md).
 pub const EXIT_NOT_DECIDED: u8 = 3;
 /// Exit code of a usage error (clap's own).
 const EXIT_USAGE: u8 = 2;
@@ -232,9 +232,18 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
     })
 }
 
-/// Why an API call printed no answer: the gate's refusal (printed with its code) or a failure.
+/// Why an API call printed no answer: the gate's refusal (printed with its code), a failure
+/// after part of the call took effect, or a failure before anything was known.
 enum Failure {
-    Answer { code: String, detail: String },
+    Answer {
+        code: String,
+        detail: String,
+    },
+    /// Something changed before the failure (exit 1, not "could not ask"): the detail says what.
+    Partial {
+        code: String,
+        detail: String,
+    },
     Other(anyhow::Error),
 }
 
@@ -250,6 +259,16 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
     };
     if call.target.server.is_some() == call.target.store.is_some() {
         eprintln!("dedupgate: give --server URL (or DEDUPGATE_SERVER) or --store STORE");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
+    // A malformed --server URL or --store spec is a usage error too, not "could not ask".
+    let malformed = match (&call.target.server, &call.target.store) {
+        (Some(url), _) => Client::new(url).err().map(|e| e.to_string()),
+        (_, Some(spec)) => spec.parse::<StoreSpec>().err().map(|e| e.to_string()),
+        _ => None,
+    };
+    if let Some(why) = malformed {
+        eprintln!("dedupgate: {why}");
         return Ok(ExitCode::from(EXIT_USAGE));
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -276,6 +295,10 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Err(Failure::Partial { code, detail }) => {
+            eprintln!("dedupgate: {code}: {detail}");
+            Ok(ExitCode::FAILURE)
         }
         Err(Failure::Other(e)) => {
             eprintln!("dedupgate: {e:#}");
@@ -460,14 +483,16 @@ async fn forget_embedded(dir: &std::path::Path, call: &Call) -> Result<Value, Fa
         .contains(&true);
     let gate = Gate::from_arc(store as std::sync::Arc<dyn dedupgate_core::Store>);
     let record = gate.forget(ns, key).await.map_err(|e| {
-        let removed = if member {
-            "its key-set member was removed, its gate record was not: run forget again"
+        if member {
+            Failure::Partial {
+                code: e.code().to_owned(),
+                detail: format!(
+                    "{e} (its key-set member was removed, its gate record was not: run forget \
+                     again)"
+                ),
+            }
         } else {
-            "nothing was removed"
-        };
-        Failure::Answer {
-            code: e.code().to_owned(),
-            detail: format!("{e} ({removed})"),
+            from_gate(e)
         }
     })?;
     Ok(json!({"deleted": record || member}))
