@@ -13,7 +13,7 @@ use dedupgate_core::{
 };
 use futures::stream::{self, StreamExt};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, Pipeline, Value};
@@ -40,8 +40,8 @@ const CLUSTER_CLOCK_SPREAD_MAX_MS: u64 = 250;
 
 #[derive(Clone)]
 enum Conn {
-    Single(ConnectionManager),
-    Cluster(Arc<ClusterHandle>),
+    Single(Arc<Rebuilt<ConnectionManager>>),
+    Cluster(Arc<Rebuilt<ClusterConnection>>),
 }
 
 impl Conn {
@@ -81,33 +81,80 @@ impl Conn {
         count: usize,
     ) -> redis::RedisResult<Vec<Value>> {
         match self {
-            Conn::Single(c) => c.clone().req_packed_commands(pipe, offset, count).await,
+            Conn::Single(h) => {
+                let r = h.current().req_packed_commands(pipe, offset, count).await;
+                h.check(&r);
+                r
+            }
             Conn::Cluster(h) => {
                 let r = h.current().req_packed_commands(pipe, offset, count).await;
-                if r.is_err() {
-                    h.failed();
-                }
+                h.check(&r);
                 r
             }
         }
     }
 }
 
-/// A cluster connection that is rebuilt from the seed nodes after failures. The `redis` crate's
-/// cluster connection reconnects to nodes itself, but after a master was killed and restarted
-/// it was seen to time out every request for good; a fresh connection recovers at once.
-struct ClusterHandle {
-    client: ClusterClient,
-    conn: std::sync::RwLock<ClusterConnection>,
+/// A connection that is rebuilt from its client after failures the `redis` crate does not
+/// recover from by itself:
+/// - a cluster connection, after a master was killed and restarted, was seen to time out every
+///   request for good (any error rebuilds it);
+/// - a single server's `ConnectionManager` reconnects after a dropped connection, but when that
+///   reconnection itself fails with anything but an I/O error (a reply cut short during the
+///   handshake: a parse error) it keeps answering that same error to every later request and
+///   never tries again (redis 1.8 `reconnect_if_io_error!`). Found by `dedupgate-torture`'s
+///   net-fault run over a TCP proxy that truncates replies: every answer after one truncation
+///   was "Parse error … Unexpected end of input" until the end of the run. Such errors (the
+///   `redis` crate's "reconnect" class) rebuild the manager.
+struct Rebuilt<C> {
+    conn: std::sync::RwLock<C>,
     rebuilding: AtomicBool,
+    /// Whether an error calls for a rebuild.
+    rebuild_on: fn(&redis::RedisError) -> bool,
+    connect:
+        Box<dyn Fn() -> futures::future::BoxFuture<'static, redis::RedisResult<C>> + Send + Sync>,
 }
 
-/// Least time between two rebuilds of a cluster connection.
-const CLUSTER_REBUILD_INTERVAL: Duration = Duration::from_secs(1);
+impl Rebuilt<ConnectionManager> {
+    /// Sends one command (a rebuild follows the errors that call for one).
+    async fn command(self: &Arc<Self>, cmd: &Cmd) -> redis::RedisResult<Value> {
+        let r = self.current().req_packed_command(cmd).await;
+        self.check(&r);
+        r
+    }
+}
 
-impl ClusterHandle {
-    fn current(&self) -> ClusterConnection {
+/// Least time between two rebuilds of a connection.
+const REBUILD_INTERVAL: Duration = Duration::from_secs(1);
+
+impl<C: Clone + Send + Sync + 'static> Rebuilt<C> {
+    fn new(
+        conn: C,
+        rebuild_on: fn(&redis::RedisError) -> bool,
+        connect: impl Fn() -> futures::future::BoxFuture<'static, redis::RedisResult<C>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            conn: std::sync::RwLock::new(conn),
+            rebuilding: AtomicBool::new(false),
+            rebuild_on,
+            connect: Box::new(connect),
+        })
+    }
+
+    fn current(&self) -> C {
         self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Starts a rebuild when `result` failed in a way that calls for one.
+    fn check<T>(self: &Arc<Self>, result: &redis::RedisResult<T>) {
+        if let Err(e) = result {
+            if (self.rebuild_on)(e) {
+                self.failed();
+            }
+        }
     }
 
     /// Starts a rebuild in the background, unless one ran within the last second.
@@ -117,10 +164,10 @@ impl ClusterHandle {
         }
         let me = self.clone();
         tokio::spawn(async move {
-            if let Ok(fresh) = me.client.get_async_connection().await {
+            if let Ok(fresh) = (me.connect)().await {
                 *me.conn.write().unwrap_or_else(|p| p.into_inner()) = fresh;
             }
-            tokio::time::sleep(CLUSTER_REBUILD_INTERVAL).await;
+            tokio::time::sleep(REBUILD_INTERVAL).await;
             me.rebuilding.store(false, Ordering::Release);
         });
     }
@@ -214,11 +261,14 @@ impl RedisStore {
                 .build()
                 .map_err(|e| OpenError::Url(format!("{shown}: {e}")))?;
             let conn = client.get_async_connection().await.map_err(connect_err)?;
-            Conn::Cluster(Arc::new(ClusterHandle {
-                client,
-                conn: std::sync::RwLock::new(conn),
-                rebuilding: AtomicBool::new(false),
-            }))
+            Conn::Cluster(Rebuilt::new(
+                conn,
+                |_| true,
+                move || {
+                    let client = client.clone();
+                    Box::pin(async move { client.get_async_connection().await })
+                },
+            ))
         } else {
             let client =
                 redis::Client::open(url).map_err(|e| OpenError::Url(format!("{shown}: {e}")))?;
@@ -230,11 +280,19 @@ impl RedisStore {
                 .set_number_of_retries(1)
                 .set_min_delay(Duration::from_millis(20))
                 .set_max_delay(Duration::from_millis(200));
-            Conn::Single(
-                ConnectionManager::new_with_config(client, config)
-                    .await
-                    .map_err(connect_err)?,
-            )
+            let conn = ConnectionManager::new_with_config(client.clone(), config.clone())
+                .await
+                .map_err(connect_err)?;
+            Conn::Single(Rebuilt::new(
+                conn,
+                redis::RedisError::is_unrecoverable_error,
+                move || {
+                    let (client, config) = (client.clone(), config.clone());
+                    Box::pin(
+                        async move { ConnectionManager::new_with_config(client, config).await },
+                    )
+                },
+            ))
         };
         let mut describe = format!("redis: {shown}");
         if opts.wait_replicas > 0 {
@@ -340,7 +398,7 @@ impl Inner {
         shown: &str,
     ) -> Result<Vec<(String, Value)>, OpenError> {
         let replies: Vec<(String, Value)> = match &self.conn {
-            Conn::Single(c) => vec![(shown.to_owned(), c.clone().req_packed_command(&cmd).await)],
+            Conn::Single(h) => vec![(shown.to_owned(), h.command(&cmd).await)],
             Conn::Cluster(h) => {
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                 match h.current().route_command(cmd, routing).await {
@@ -682,12 +740,8 @@ impl Inner {
     async fn redis_time_ms(&self) -> Result<u64, String> {
         let cmd = redis::cmd("TIME");
         match &self.conn {
-            Conn::Single(c) => {
-                let v = c
-                    .clone()
-                    .req_packed_command(&cmd)
-                    .await
-                    .map_err(|e| e.to_string())?;
+            Conn::Single(h) => {
+                let v = h.command(&cmd).await.map_err(|e| e.to_string())?;
                 time_ms(&v).ok_or_else(|| format!("unexpected TIME reply {v:?}"))
             }
             Conn::Cluster(h) => {
@@ -1378,16 +1432,14 @@ impl Store for RedisStore {
     async fn health(&self) -> Result<(), StoreError> {
         let cmd = redis::cmd("PING");
         let r = match &self.inner.conn {
-            Conn::Single(c) => c.clone().req_packed_command(&cmd).await,
+            Conn::Single(h) => h.command(&cmd).await,
             Conn::Cluster(h) => {
                 let routing = RoutingInfo::MultiNode((
                     MultipleNodeRoutingInfo::AllMasters,
                     Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
                 ));
                 let r = h.current().route_command(cmd, routing).await;
-                if r.is_err() {
-                    h.failed();
-                }
+                h.check(&r);
                 r
             }
         };
