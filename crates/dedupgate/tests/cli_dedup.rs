@@ -1252,3 +1252,47 @@ fn an_error_says_its_cause_once() {
     assert_eq!(o.status.code(), Some(1), "{}", err(&o));
     assert_eq!(err(&o).matches("(os error 20)").count(), 1, "{}", err(&o));
 }
+
+/// Found by review: `-o` or `--rejects` inside the `--ledger` directory truncated one of the
+/// store's own files. Refused now (exit 2), and the ledger still knows its keys.
+#[test]
+fn an_output_inside_the_ledger_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(dir.path(), "in.jsonl", "{\"id\":1}\n{\"id\":2}\n");
+    let ledger = dir.path().join("ledger");
+    let first = dg()
+        .args(["dedup", "--quiet", "--key-fields", "id", "--ledger"])
+        .arg(&ledger)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(first.status.success(), "{}", err(&first));
+    let lock = ledger.join("LOCK");
+    let fresh = ledger.join("out.jsonl");
+    for (flag, path) in [("-o", &lock), ("--rejects", &lock), ("-o", &fresh)] {
+        let o = dg()
+            .args(["dedup", "--key-fields", "id", "--ledger"])
+            .arg(&ledger)
+            .arg(flag)
+            .arg(path)
+            .arg(&input)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{flag}: {}", err(&o));
+        assert!(err(&o).contains("inside the ledger"), "{flag}: {}", err(&o));
+        assert!(!fresh.exists(), "{flag}: nothing is created");
+    }
+    // The ledger is intact: a re-run emits nothing.
+    let again = dg()
+        .args(["dedup", "--quiet", "--key-fields", "id", "--ledger"])
+        .arg(&ledger)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(again.status.success(), "{}", err(&again));
+    assert!(
+        again.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&again.stdout)
+    );
+}

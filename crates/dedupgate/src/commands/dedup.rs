@@ -159,6 +159,9 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
         outputs.push(Output::File("--rejects", rejects));
     }
     check_outputs(&inputs, &outputs)?;
+    if let Some(StoreSpec::Embedded(dir)) = &store_spec {
+        input::check_outputs_outside(dir, &outputs)?;
+    }
     check_inputs(&inputs)?;
     // One worker thread: a ledger call runs there while this thread keys the next batch.
     let rt = tokio::runtime::Builder::new_multi_thread()

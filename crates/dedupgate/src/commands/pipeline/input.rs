@@ -285,6 +285,25 @@ pub fn check_outputs(inputs: &[Input], outputs: &[Output<'_>]) -> anyhow::Result
     Ok(())
 }
 
+/// Refuses, as a usage error, an output file inside `store_dir`, the embedded store a run
+/// keeps its ledger in: writing there would truncate the store's own files.
+pub fn check_outputs_outside(store_dir: &Path, outputs: &[Output<'_>]) -> anyhow::Result<()> {
+    let store_dir = absolute(store_dir);
+    for output in outputs {
+        if let Output::File(_, path) = output {
+            if absolute(path).starts_with(&store_dir) {
+                return Err(usage(format!(
+                    "{} is inside the ledger's store directory {}: writing there would damage \
+                     the ledger; write to another place",
+                    output.label(),
+                    store_dir.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Opens the output: a file (created or truncated) or stdout, buffered.
 pub fn open_output(path: Option<&Path>) -> anyhow::Result<Box<dyn Write>> {
     Ok(match path {
