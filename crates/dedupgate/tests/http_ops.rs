@@ -134,16 +134,6 @@ impl PausableGate {
     }
 }
 
-impl Drop for PausableGate {
-    fn drop(&mut self) {
-        // Continued before its fields go (the redis-server is killed then), so a test that
-        // fails while it is paused leaves no stopped process behind either way.
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.redis.child.id().to_string()])
-            .status();
-    }
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -601,12 +591,7 @@ impl Drop for OwnRedis {
 
 #[test]
 fn unavailable_while_the_store_is_down_and_back_after() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut redis = OwnRedis::start(port);
+    let mut redis = OwnRedis::start(free_port());
     let store = format!("redis://127.0.0.1:{}", redis.port);
     let s = serve(&["--store", &store]);
     assert_eq!(s.get("/healthz").status, 200);
@@ -632,7 +617,7 @@ fn unavailable_while_the_store_is_down_and_back_after() {
     );
 
     // A fresh Redis on the same port (empty: ours kept nothing): the gate answers again.
-    let _redis = OwnRedis::start(port);
+    let _redis = OwnRedis::start(redis.port);
     eventually(30, "healthz to recover", || s.get("/healthz").status == 200);
     eventually(30, "claims to be decided again", || {
         s.post_json("/v1/claim", &json!({"namespace": "down", "key": "after"}))

@@ -257,29 +257,30 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_USAGE));
         }
     };
-    if call.target.server.is_some() == call.target.store.is_some() {
-        eprintln!("dedupgate: give --server URL (or DEDUPGATE_SERVER) or --store STORE");
-        return Ok(ExitCode::from(EXIT_USAGE));
-    }
-    // A malformed --server URL or --store spec is a usage error too, not "could not ask".
-    let malformed = match (&call.target.server, &call.target.store) {
-        (Some(url), _) => Client::new(url).err().map(|e| e.to_string()),
-        (_, Some(spec)) => spec.parse::<StoreSpec>().err().map(|e| e.to_string()),
-        _ => None,
+    // Exactly one target, well-formed: anything else is a usage error, not "could not ask".
+    let target = match (&call.target.server, &call.target.store) {
+        (Some(url), None) => Client::new(url).map(To::Server).map_err(|e| e.to_string()),
+        (None, Some(spec)) => spec
+            .parse()
+            .map(To::Store)
+            .map_err(|e: dedupgate_stores::SpecError| e.to_string()),
+        _ => Err("give --server URL (or DEDUPGATE_SERVER) or --store STORE".to_owned()),
     };
-    if let Some(why) = malformed {
-        eprintln!("dedupgate: {why}");
-        return Ok(ExitCode::from(EXIT_USAGE));
-    }
+    let target = match target {
+        Ok(target) => target,
+        Err(why) => {
+            eprintln!("dedupgate: {why}");
+            return Ok(ExitCode::from(EXIT_USAGE));
+        }
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
     let answer = runtime.block_on(async {
-        match (&call.target.server, &call.target.store) {
-            (Some(url), None) => via_server(url, &call).await,
-            (None, Some(store)) => via_store(store, &call).await,
-            _ => unreachable!("checked above: exactly one target"),
+        match target {
+            To::Server(client) => via_server(client, &call).await,
+            To::Store(spec) => via_store(spec, &call).await,
         }
     });
     match answer {
@@ -336,8 +337,13 @@ fn to_json<T: serde::Serialize>(v: &T) -> Value {
     serde_json::to_value(v).expect("core types serialize")
 }
 
-async fn via_server(url: &str, call: &Call) -> Result<Value, Failure> {
-    let mut client = Client::new(url).map_err(from_client)?;
+/// Where a call goes, parsed from `--server` or `--store`.
+enum To {
+    Server(Client),
+    Store(StoreSpec),
+}
+
+async fn via_server(mut client: Client, call: &Call) -> Result<Value, Failure> {
     if let Some(t) = &call.target.bearer_token {
         client = client.with_bearer(t);
     }
@@ -385,10 +391,7 @@ async fn via_server(url: &str, call: &Call) -> Result<Value, Failure> {
     })
 }
 
-async fn via_store(spec: &str, call: &Call) -> Result<Value, Failure> {
-    let spec: StoreSpec = spec
-        .parse()
-        .map_err(|e: dedupgate_stores::SpecError| Failure::Other(e.into()))?;
+async fn via_store(spec: StoreSpec, call: &Call) -> Result<Value, Failure> {
     if let (ApiOp::Forget, StoreSpec::Embedded(dir)) = (&call.op, &spec) {
         return forget_embedded(dir, call).await;
     }

@@ -19,7 +19,7 @@ use serde_json::json;
 use super::pipeline::input::{check_inputs, check_outputs, Format, Input, Output};
 use super::pipeline::keyspec::{KeyArgs, KeySpec, Scratch};
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{error_text, now_ms, runtime, usage, Rejects};
+use super::pipeline::{now_ms, runtime, usage, Rejects};
 
 /// Rejected records shown as examples in the report.
 const REJECT_SAMPLES_MAX: usize = 5;
@@ -97,7 +97,7 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
         Ok(code) => Ok(code),
         Err(e) => {
             // Any failure, not only a usage error: exit 1 means duplicates were found.
-            eprintln!("dedupgate audit: {}", error_text(&e));
+            eprintln!("dedupgate audit: {e:#}");
             Ok(ExitCode::from(2))
         }
     }

@@ -46,25 +46,10 @@ pub fn is_usage(e: &anyhow::Error) -> bool {
 /// Prints `e` as `dedupgate COMMAND: message: cause: …` and gives the exit code of a pipeline
 /// command that failed: 2 for a usage error, else 1.
 pub fn report_failure(command: &str, e: &anyhow::Error) -> std::process::ExitCode {
-    eprintln!("dedupgate {command}: {}", error_text(e));
+    // Errors that write their cause into their message do not also return it as their source,
+    // so the chain says each cause once.
+    eprintln!("dedupgate {command}: {e:#}");
     std::process::ExitCode::from(if is_usage(e) { 2 } else { 1 })
-}
-
-/// `e` and its causes joined with `: `, each said once: a cause whose text is already in the
-/// message (an error that prints its source and also returns it as its source) is left out.
-pub fn error_text(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let part = cause.to_string();
-        if part.is_empty() || text.contains(&part) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&part);
-    }
-    text
 }
 
 /// Lines between two progress bar updates (an update is cheap, but not free per line).
