@@ -1237,6 +1237,33 @@ fn keep_last_names_stdin_not_its_spool_file() {
     assert_eq!(reject["line"], 2);
 }
 
+/// Found by review: `--keep last` read all of stdin into its spool before it created its
+/// outputs, so an output that could not be created failed the run with the input consumed.
+/// Outputs come first now: stdin (a file here, whose shared offset shows what was read) is
+/// left unread.
+#[test]
+fn keep_last_leaves_stdin_unread_when_an_output_cannot_be_created() {
+    use std::io::Seek;
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(dir.path(), "in.jsonl", "{\"id\":1}\n{\"id\":1}\n");
+    for flag in ["-o", "--rejects"] {
+        let mut stdin = fs::File::open(&input).unwrap();
+        let o = dg()
+            .args(["dedup", "--key-fields", "id", "--keep", "last", flag])
+            .arg(dir.path().join("missing-dir").join("out.jsonl"))
+            .stdin(stdin.try_clone().unwrap())
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{flag}: {}", err(&o));
+        assert!(err(&o).contains("cannot create"), "{flag}: {}", err(&o));
+        assert_eq!(
+            stdin.stream_position().unwrap(),
+            0,
+            "{flag}: stdin was read"
+        );
+    }
+}
+
 /// An error whose text already holds its cause does not say the cause twice (a ledger path
 /// under a regular file said `Not a directory (os error 20): Not a directory (os error 20)`).
 #[test]

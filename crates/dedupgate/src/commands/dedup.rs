@@ -184,13 +184,15 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
             ))?)
         }
     };
+    // Outputs before stdin is read: an output that cannot be created stops the run while the
+    // input is still unread, rather than after `--keep last` has consumed it into its spool.
+    let mut rejects = Rejects::open(args.rejects.as_deref())?;
+    let mut out = input::open_output(args.output.as_deref())?;
     let (inputs, _spool) = match args.keep {
         Keep::First => (inputs, None),
         Keep::Last => input::spool_stdin(inputs)?,
     };
     let bar = progress(input::total_bytes(&inputs), args.quiet);
-    let mut rejects = Rejects::open(args.rejects.as_deref())?;
-    let mut out = input::open_output(args.output.as_deref())?;
     let mut job = Job {
         spec: &spec,
         format,
