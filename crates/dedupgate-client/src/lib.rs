@@ -486,7 +486,23 @@ fn decode<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ClientError
         .map_err(|e| ClientError::Protocol(format!("unexpected answer: {e}")))
 }
 
+/// The `type` of dedupgate's 404 for a path the API does not have (`not_found` like a missing
+/// record's, which is why it has a type of its own).
+const NO_SUCH_ROUTE_TYPE: &str = "urn:dedupgate:problem:no-such-route";
+
 fn problem_error(status: StatusCode, body: &[u8]) -> ClientError {
+    #[derive(serde::Deserialize)]
+    struct Type {
+        #[serde(rename = "type", default)]
+        type_: String,
+    }
+    if serde_json::from_slice::<Type>(body).is_ok_and(|t| t.type_ == NO_SUCH_ROUTE_TYPE) {
+        // Not a missing record: the base URL does not lead to the API (a wrong path prefix).
+        return ClientError::Protocol(format!(
+            "HTTP {status}: the server has no such route; the base URL must be the gate's own \
+             (the one /healthz and /v1/claim are under)"
+        ));
+    }
     match serde_json::from_slice::<Problem>(body) {
         Ok(problem) => match problem.to_gate_error() {
             Some(e) => ClientError::Gate(e),

@@ -591,7 +591,7 @@ impl AppState {
                 self.guarded(
                     "other",
                     Instant::now(),
-                    Box::pin(async { Problem::not_found("no such route").into_response() }),
+                    Box::pin(async { Problem::no_such_route("no such route").into_response() }),
                 )
                 .await
             }

@@ -8,10 +8,15 @@ use serde::Serialize;
 /// Seconds a 503 asks the caller to wait before retrying.
 pub const RETRY_AFTER_S: u32 = 1;
 
+/// The `type` of the 404 for a path the API does not have. Its code is `not_found` like a
+/// missing record's, so this is how a client tells a wrong base URL (every `GET /v1/record`
+/// would look like "no record") from a key with no record.
+pub const NO_SUCH_ROUTE_TYPE: &str = "urn:dedupgate:problem:no-such-route";
+
 /// An error answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Problem {
-    /// Always `about:blank`: the `code` says what happened.
+    /// `about:blank` (the `code` says what happened), except [`NO_SUCH_ROUTE_TYPE`].
     #[serde(rename = "type")]
     pub type_: &'static str,
     /// Short human summary of the code.
@@ -58,6 +63,14 @@ impl Problem {
     /// 404 `not_found`.
     pub fn not_found(detail: impl Into<String>) -> Self {
         Self::new(404, "not_found", "not found", detail)
+    }
+
+    /// 404 `not_found` for a path the API does not have (type [`NO_SUCH_ROUTE_TYPE`]).
+    pub fn no_such_route(detail: impl Into<String>) -> Self {
+        Self {
+            type_: NO_SUCH_ROUTE_TYPE,
+            ..Self::not_found(detail)
+        }
     }
 
     /// 405 with code `invalid_request` (API.md has no code of its own for a wrong method).

@@ -492,6 +492,26 @@ fn cli_api_subcommands_tell_could_not_ask_from_no_record() {
     assert_eq!(code, 2, "{err}");
 }
 
+/// A `--server` URL with a path the API is not under (`http://host:port/gate`) got the
+/// server's 404 for an unknown path, whose code is `not_found` like a missing record's: `get`
+/// said "no live record" (exit 1) for every key. The unknown-path 404 has a type of its own
+/// now; the client reports it as "could not ask" (exit 3), for every API subcommand.
+#[test]
+fn cli_api_subcommands_tell_a_wrong_base_url_from_no_record() {
+    let s = serve(&["--store", "memory:"]);
+    let wrong = format!("{}/gate", s.url());
+    for cmd in ["get", "claim", "mark", "forget"] {
+        let (code, _, err) = cli(&[cmd, "--server", &wrong, "-n", "shell", "-k", "a"]);
+        assert_eq!(code, 3, "{cmd}: {err}");
+        assert!(err.contains("no such route"), "{cmd}: {err}");
+        assert!(!err.contains("no live record"), "{cmd}: {err}");
+    }
+    // The right URL still tells "no record" apart (exit 1).
+    let (code, _, err) = cli(&["get", "--server", &s.url(), "-n", "shell", "-k", "a"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("not_found"), "{err}");
+}
+
 /// Found by an adversarial run: twenty `mark --store DIR` started at once failed (19 of 20,
 /// "the store is in use by another process") although each holds the directory for
 /// milliseconds; they wait for the lock now (`--lock-wait`, as `run` does), and every mark
