@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{BoxError, Router};
 use dedupgate_core::{GateError, Outcome, Store};
 use http_body::Body as HttpBody;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use tokio::sync::Semaphore;
 
 use crate::auth::{Auth, Principal};
@@ -98,6 +98,42 @@ pub struct AppState {
 /// answered 503 with `Retry-After`, nothing decided.
 pub const BODIES_RECEIVED_AT_ONCE: usize = 16;
 
+/// Most bytes of a refused body (413) the server reads, and drops, before it answers an HTTP/1
+/// client that did not send `Expect: 100-continue`. Such a client (Python's `http.client`,
+/// most libraries) sends its whole body before it reads the answer, and a connection closed
+/// with its bytes unread reaches it as a reset or a broken pipe, never as the 413. Past this
+/// many bytes, or past the request timeout, the 413 goes without them.
+pub const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 20;
+
+/// Whether the client sends its body without waiting to be asked: HTTP/1 without
+/// `Expect: 100-continue` (over HTTP/2 a refused stream is reset on its own, and a client that
+/// waits for 100 Continue sends nothing after a 413).
+fn sends_body_unasked(parts: &axum::http::request::Parts) -> bool {
+    let expects_continue = parts
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    parts.version <= axum::http::Version::HTTP_11 && !expects_continue
+}
+
+/// Reads and drops what is left of a body, up to [`REFUSED_BODY_DRAIN_BYTES_MAX`] bytes.
+async fn drain<B>(mut body: std::pin::Pin<&mut B>)
+where
+    B: HttpBody<Data = Bytes>,
+{
+    let mut drained = 0u64;
+    while drained <= REFUSED_BODY_DRAIN_BYTES_MAX {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    drained += data.len() as u64;
+                }
+            }
+            Some(Err(_)) | None => return,
+        }
+    }
+}
+
 /// Gives back the bytes a body reserved in [`AppState::receiving`] when its read ends.
 struct Receiving<'a> {
     total: &'a AtomicUsize,
@@ -179,50 +215,62 @@ impl AppState {
     {
         let (parts, body) = request.into_parts();
         let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
-        let body = self.read_body(body).await?;
+        let body = self.read_body(body, sends_body_unasked(&parts)).await?;
         Ok((principal, body))
     }
 
-    /// Reads a request body: 413 at once when its announced length (`Content-Length`) is over
-    /// the configured limit, 413 once it passes the limit while it is read, 400 when it has
-    /// not arrived whole within the request timeout, and 503 with `Retry-After` when the bodies
+    /// Reads a request body: 413 when its announced length (`Content-Length`) is over the
+    /// configured limit or once it passes the limit while it is read, 400 when it has not
+    /// arrived whole within the request timeout, and 503 with `Retry-After` when the bodies
     /// being received would pass [`BODIES_RECEIVED_AT_ONCE`] of the limit. Nothing is decided
-    /// in any of these cases.
-    async fn read_body<B>(&self, body: B) -> Result<Bytes, Problem>
+    /// in any of these cases. A 413 goes at once, unless `drain_refused` (see
+    /// [`REFUSED_BODY_DRAIN_BYTES_MAX`]).
+    async fn read_body<B>(&self, body: B, drain_refused: bool) -> Result<Bytes, Problem>
     where
         B: HttpBody<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
         let limit = self.config.limits.body_bytes_max;
-        let announced = body.size_hint().lower();
-        if announced > limit as u64 {
-            return Err(Problem::too_large(format!(
-                "the request body ({announced} bytes) is larger than {limit} bytes"
-            )));
-        }
         let timeout_ms = self.config.limits.request_timeout_ms;
-        let budget = limit.saturating_mul(BODIES_RECEIVED_AT_ONCE);
-        let receiving = Receiving {
-            total: &self.receiving,
-            held: 0,
-        };
-        tokio::time::timeout(
-            Duration::from_millis(timeout_ms),
-            self.collect_body(body, limit, budget, receiving),
-        )
-        .await
-        .unwrap_or_else(|_| {
-            Err(Problem::invalid(format!(
-                "the request body did not arrive within {timeout_ms} ms; nothing was decided"
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let mut body = std::pin::pin!(body);
+        let announced = body.size_hint().lower();
+        let read = if announced > limit as u64 {
+            Err(Problem::too_large(format!(
+                "the request body ({announced} bytes) is larger than {limit} bytes"
             )))
-        })
+        } else {
+            let budget = limit.saturating_mul(BODIES_RECEIVED_AT_ONCE);
+            let receiving = Receiving {
+                total: &self.receiving,
+                held: 0,
+            };
+            tokio::time::timeout_at(
+                deadline,
+                self.collect_body(body.as_mut(), limit, budget, receiving),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(Problem::invalid(format!(
+                    "the request body did not arrive within {timeout_ms} ms; nothing was decided"
+                )))
+            })
+        };
+        if let Err(problem) = &read {
+            if drain_refused && problem.status == 413 {
+                // Bounded by the request's deadline and by bytes; what is read is dropped.
+                let _ = tokio::time::timeout_at(deadline, drain(body.as_mut())).await;
+            }
+        }
+        read
     }
 
     /// Collects a body, refusing it with 413 once it passes `limit`, and with 503 when its
-    /// bytes would take the bodies being received past `budget`.
+    /// bytes would take the bodies being received past `budget`. Stops at the refusal: the
+    /// rest of the body is left unread.
     async fn collect_body<B>(
         &self,
-        body: B,
+        mut body: std::pin::Pin<&mut B>,
         limit: usize,
         budget: usize,
         mut receiving: Receiving<'_>,
@@ -231,22 +279,25 @@ impl AppState {
         B: HttpBody<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
-        let mut body = std::pin::pin!(Limited::new(body, limit));
         // A small body arrives as one frame: kept as it is, without copying or a buffer list.
         let mut first = Bytes::new();
         let mut joined: Vec<u8> = Vec::new();
+        let mut received = 0usize;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
-                if e.is::<LengthLimitError>() {
-                    Problem::too_large(format!("the request body is larger than {limit} bytes"))
-                } else {
-                    Problem::invalid(format!("could not read the request body: {e}"))
-                }
+                let e: BoxError = e.into();
+                Problem::invalid(format!("could not read the request body: {e}"))
             })?;
             // Trailers carry nothing the API reads.
             let Ok(data) = frame.into_data() else {
                 continue;
             };
+            received = received.saturating_add(data.len());
+            if received > limit {
+                return Err(Problem::too_large(format!(
+                    "the request body is larger than {limit} bytes"
+                )));
+            }
             if !receiving.reserve(data.len(), budget) {
                 return Err(Problem::unavailable(format!(
                     "the server is receiving more than {budget} bytes of request bodies; \
