@@ -98,11 +98,11 @@ pub struct AppState {
 /// answered 503 with `Retry-After`, nothing decided.
 pub const BODIES_RECEIVED_AT_ONCE: usize = 16;
 
-/// Most bytes of a refused body (413) the server reads, and drops, before it answers an HTTP/1
-/// client that did not send `Expect: 100-continue`. Such a client (Python's `http.client`,
-/// most libraries) sends its whole body before it reads the answer, and a connection closed
-/// with its bytes unread reaches it as a reset or a broken pipe, never as the 413. Past this
-/// many bytes, or past the request timeout, the 413 goes without them.
+/// Most bytes of a refused body (413) the server reads, and drops, beside its answer to an
+/// HTTP/1 client that did not send `Expect: 100-continue`. Such a client (Python's
+/// `http.client`, most libraries) sends its whole body before it reads the answer, and a
+/// connection closed with its bytes unread reaches it as a reset or a broken pipe, never as
+/// the 413. A body announced larger, or still arriving at the request timeout, is not read.
 pub const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 20;
 
 /// Whether the client sends its body without waiting to be asked: HTTP/1 without
@@ -117,7 +117,7 @@ fn sends_body_unasked(parts: &axum::http::request::Parts) -> bool {
 }
 
 /// Reads and drops what is left of a body, up to [`REFUSED_BODY_DRAIN_BYTES_MAX`] bytes.
-async fn drain<B>(mut body: std::pin::Pin<&mut B>)
+async fn drain<B>(mut body: std::pin::Pin<Box<B>>)
 where
     B: HttpBody<Data = Bytes>,
 {
@@ -210,7 +210,7 @@ impl AppState {
         request: axum::http::Request<B>,
     ) -> Result<(Principal<'_>, Bytes), Problem>
     where
-        B: HttpBody<Data = Bytes>,
+        B: HttpBody<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         let (parts, body) = request.into_parts();
@@ -223,17 +223,17 @@ impl AppState {
     /// configured limit or once it passes the limit while it is read, 400 when it has not
     /// arrived whole within the request timeout, and 503 with `Retry-After` when the bodies
     /// being received would pass [`BODIES_RECEIVED_AT_ONCE`] of the limit. Nothing is decided
-    /// in any of these cases. A 413 goes at once, unless `drain_refused` (see
-    /// [`REFUSED_BODY_DRAIN_BYTES_MAX`]).
+    /// in any of these cases. A 413 goes at once; with `drain_refused` the rest of the body is
+    /// read beside it and dropped (see [`REFUSED_BODY_DRAIN_BYTES_MAX`]).
     async fn read_body<B>(&self, body: B, drain_refused: bool) -> Result<Bytes, Problem>
     where
-        B: HttpBody<Data = Bytes>,
+        B: HttpBody<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         let limit = self.config.limits.body_bytes_max;
         let timeout_ms = self.config.limits.request_timeout_ms;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
-        let mut body = std::pin::pin!(body);
+        let mut body = Box::pin(body);
         let announced = body.size_hint().lower();
         let read = if announced > limit as u64 {
             Err(Problem::too_large(format!(
@@ -257,9 +257,10 @@ impl AppState {
             })
         };
         if let Err(problem) = &read {
-            if drain_refused && problem.status == 413 {
-                // Bounded by the request's deadline and by bytes; what is read is dropped.
-                let _ = tokio::time::timeout_at(deadline, drain(body.as_mut())).await;
+            if drain_refused && problem.status == 413 && announced <= REFUSED_BODY_DRAIN_BYTES_MAX {
+                // The 413 goes now; the rest of the body is read beside it and dropped, bounded
+                // by the request's deadline and by bytes.
+                tokio::spawn(tokio::time::timeout_at(deadline, drain(body)));
             }
         }
         read
@@ -276,7 +277,7 @@ impl AppState {
         mut receiving: Receiving<'_>,
     ) -> Result<Bytes, Problem>
     where
-        B: HttpBody<Data = Bytes>,
+        B: HttpBody<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         // A small body arrives as one frame: kept as it is, without copying or a buffer list.
@@ -573,7 +574,7 @@ impl AppState {
     /// or a boxed service per request; [`router`] wraps the same function for axum.
     pub async fn handle<B>(&self, request: axum::http::Request<B>) -> Response
     where
-        B: HttpBody<Data = Bytes>,
+        B: HttpBody<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         match dispatch(request.method(), request.uri().path()) {
