@@ -166,6 +166,31 @@ impl ProxyServer {
     }
 }
 
+/// Most bytes of a refused (413) request body the proxy reads, and drops, beside its answer
+/// to a client that did not send `Expect: 100-continue`. Such a client (Python's
+/// `http.client`, most libraries) sends its whole body before it reads the answer, and a
+/// connection closed with its bytes unread reaches it as a reset or a broken pipe, never as
+/// the 413. A body announced larger is not read (the connection closes after the 413).
+const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 20;
+/// How long the proxy goes on reading a refused body.
+const REFUSED_BODY_DRAIN_FOR: Duration = Duration::from_secs(30);
+
+/// Reads and drops a body, up to [`REFUSED_BODY_DRAIN_BYTES_MAX`] bytes.
+async fn drain(mut body: Incoming) {
+    use http_body_util::BodyExt;
+    let mut drained = 0u64;
+    while drained <= REFUSED_BODY_DRAIN_BYTES_MAX {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    drained += data.len() as u64;
+                }
+            }
+            Some(Err(_)) | None => return,
+        }
+    }
+}
+
 async fn serve_one(
     mut service: IdempotencyService<Upstream>,
     peer: SocketAddr,
@@ -187,14 +212,24 @@ async fn serve_one(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > request_bytes_max) {
+    if let Some(declared) = declared.filter(|&n| n > request_bytes_max) {
         let mut res: Response<ProxyBody> = problem(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
             format!("the request body exceeds {request_bytes_max} bytes"),
         );
-        res.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        let expects_continue = req
+            .headers()
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if declared <= REFUSED_BODY_DRAIN_BYTES_MAX && !expects_continue {
+            // The 413 goes now; the body is read beside it and dropped.
+            let body = req.into_body();
+            tokio::spawn(tokio::time::timeout(REFUSED_BODY_DRAIN_FOR, drain(body)));
+        } else {
+            res.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         return Ok(res);
     }
     let limit = usize::try_from(request_bytes_max).unwrap_or(usize::MAX);
