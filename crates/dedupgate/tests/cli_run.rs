@@ -279,6 +279,103 @@ fn signals_to_run_reach_cmd_and_a_killed_cmd_releases_the_key() {
     assert_eq!(env.count_lines("count"), 1);
 }
 
+/// `run` catches signals from its start now (a TERM between taking the key and starting CMD
+/// used to end it by the default action, leaving the key held). While it only waits for
+/// another holder (`--wait`), holding nothing, a signal must still end it at once.
+#[test]
+fn a_signal_while_waiting_ends_run_and_runs_nothing() {
+    let env = Env::new("sigwait");
+    let mut holder = env.spawn(
+        &["--key", "s"],
+        &format!("{}; sleep 5", append(&env.path("count"))),
+    );
+    wait_for("the holder", Duration::from_secs(10), || {
+        env.count_lines("count") == 1
+    });
+    let waiter = env.spawn(&["--key", "s", "--wait"], &append(&env.path("count")));
+    std::thread::sleep(Duration::from_millis(700));
+    let status = Command::new("kill")
+        .args(["-TERM", &waiter.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = waiter.wait_with_output().unwrap();
+    assert_eq!(code(&out), 143, "{}", stderr(&out));
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "the waiter ended before the holder"
+    );
+    assert_eq!(env.count_lines("count"), 1, "the waiter ran nothing");
+    let _ = holder.kill();
+    let _ = holder.wait();
+}
+
+/// A signal that reaches `run` after it took the key and before CMD started: CMD never starts
+/// and the key is given back (released, or the idempotent mark removed), so the next trigger
+/// runs. The signal is sent while `run` waits for a store directory a server holds, and the
+/// server then stops, so `run` takes the key with the signal already caught.
+#[test]
+fn a_signal_before_cmd_starts_gives_the_key_back() {
+    for mode in ["retriable", "idempotent"] {
+        let env = Env::new("sigstart");
+        let store = format!("embedded:{}", env.path("held").display());
+        let server = serve_on(&store);
+        let run = |lock_wait: &str| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_dedupgate"));
+            c.env("RUST_LOG", "warn")
+                .args(["run", "--store", &store, "--namespace", &env.namespace])
+                .args(["--mode", mode, "--key", "k", "--lock-wait", lock_wait])
+                .args(["--", "sh", "-c", &append(&env.path("count"))])
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c
+        };
+        let blocked = run("60s").spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        let status = Command::new("kill")
+            .args(["-TERM", &blocked.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        drop(server);
+        let out = blocked.wait_with_output().unwrap();
+        assert_eq!(code(&out), 143, "{mode}: {}", stderr(&out));
+        assert_eq!(env.count_lines("count"), 0, "{mode}: CMD never started");
+        let next = run("10s").output().unwrap();
+        assert_eq!(code(&next), 0, "{mode}: {}", stderr(&next));
+        assert_eq!(env.count_lines("count"), 1, "{mode}: the next trigger ran");
+    }
+}
+
+/// Found by an adversarial run: in idempotent mode a CMD that could not start (a typo in a
+/// cron line: 127) kept its mark, so every trigger for the ttl skipped it as "already ran".
+/// The mark is removed when CMD never started.
+#[test]
+fn an_idempotent_cmd_that_never_started_leaves_the_key_free() {
+    let env = Env::new("nostart");
+    let missing = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--store", &env.store, "--namespace", &env.namespace])
+        .args([
+            "--mode",
+            "idempotent",
+            "--key",
+            "typo",
+            "--",
+            "/nonexistent/cmd",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(code(&missing), 127, "{}", stderr(&missing));
+    let next = env.run(
+        &["--mode", "idempotent", "--key", "typo"],
+        &append(&env.path("count")),
+    );
+    assert_eq!(code(&next), 0, "{}", stderr(&next));
+    assert_eq!(env.count_lines("count"), 1, "{}", stderr(&next));
+}
+
 #[test]
 fn wait_runs_after_a_failed_holder_and_skips_after_a_completed_one() {
     let env = Env::new("wait");

@@ -143,6 +143,10 @@ struct Plan {
 }
 
 async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
+    // First of all: from here on a signal is caught, never the default action that would end
+    // `run` after it took the key and before CMD started (found by an adversarial run: a TERM
+    // 0.3 s after start left the key held, and in idempotent mode marked done for the ttl).
+    let mut signals = Signals::install();
     let template =
         KeyTemplate::parse(&args.key).with_context(|| format!("--key {:?}", args.key))?;
     if !template.is_event_free() {
@@ -183,8 +187,24 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                     Ok(args.skip_exit_code)
                 }
                 Mark::New { record } => {
-                    let env = gate_env(&plan, record.fence);
-                    let outcome = spawn_and_wait(&args, &env, None).await;
+                    let outcome = match signals.before_cmd() {
+                        Some(signo) => Outcome::not_started(128 + signo as u8),
+                        None => {
+                            let env = gate_env(&plan, record.fence);
+                            spawn_and_wait(&args, &env, None, &mut signals).await
+                        }
+                    };
+                    if !outcome.spawned {
+                        // CMD never started: the mark would say it ran, and skip it for the ttl.
+                        if let Err(e) = backend.forget(&plan.ns, &plan.key).await {
+                            eprintln!(
+                                "dedupgate run: CMD never started, but its mark could not be \
+                                 removed ({e:#}); later triggers skip it until the ttl ends \
+                                 (remove it with `dedupgate forget -n {} -k KEY` and admin rights)",
+                                plan.ns
+                            );
+                        }
+                    }
                     Ok(outcome.exit_code)
                 }
             }
@@ -211,7 +231,10 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                         }
                         let until_ms = record.lease_expires_at_ms.unwrap_or(0) as i64 - now_ms();
                         let pause = until_ms.clamp(50, WAIT_POLL_MS_MAX as i64) as u64;
-                        tokio::time::sleep(Duration::from_millis(pause)).await;
+                        // Nothing is held while waiting: a signal ends the wait and `run`.
+                        if let Some(signo) = signals.during(Duration::from_millis(pause)).await {
+                            return Ok(128 + signo as u8);
+                        }
                     }
                 }
             };
@@ -223,8 +246,14 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                 lease_ms: plan.lease_ms,
             };
             let run_started_ms = now_ms();
-            let env = gate_env(&plan, lease.fence);
-            let outcome = spawn_and_wait(&args, &env, Some(keep_alive)).await;
+            let outcome = match signals.before_cmd() {
+                // Released below, as after a failure.
+                Some(signo) => Outcome::not_started(128 + signo as u8),
+                None => {
+                    let env = gate_env(&plan, lease.fence);
+                    spawn_and_wait(&args, &env, Some(keep_alive), &mut signals).await
+                }
+            };
             if outcome.exit_code == 0 && outcome.spawned {
                 let result = json!({
                     "exit_code": 0,
@@ -374,6 +403,18 @@ struct Outcome {
     stderr_tail: String,
 }
 
+impl Outcome {
+    /// CMD never started; `run` exits `exit_code`.
+    fn not_started(exit_code: u8) -> Self {
+        Self {
+            spawned: false,
+            exit_code,
+            stdout_tail: String::new(),
+            stderr_tail: String::new(),
+        }
+    }
+}
+
 /// What CMD learns of its claim through the environment, so it can pass the fence to the
 /// systems it writes to and let them refuse a stale run (a fencing token).
 fn gate_env(plan: &Plan, fence: u64) -> [(&'static str, String); 3] {
@@ -388,6 +429,7 @@ async fn spawn_and_wait(
     args: &RunArgs,
     env: &[(&'static str, String)],
     keep_alive: Option<KeepAlive>,
+    signals: &mut Signals,
 ) -> Outcome {
     let (program, rest) = args.command.split_first().expect("clap requires CMD");
     let mut cmd = tokio::process::Command::new(program);
@@ -410,12 +452,7 @@ async fn spawn_and_wait(
                 "dedupgate run: cannot run {:?}: {e}",
                 program.to_string_lossy()
             );
-            return Outcome {
-                spawned: false,
-                exit_code: code,
-                stdout_tail: String::new(),
-                stderr_tail: String::new(),
-            };
+            return Outcome::not_started(code);
         }
     };
     let pid = child.id().map(|p| Pid::from_raw(p as i32));
@@ -438,47 +475,16 @@ async fn spawn_and_wait(
     }
     let keep_alive = keep_alive.map(|k| tokio::spawn(k.run_forever()));
 
-    // On a terminal, Ctrl-C and Ctrl-\ already reach CMD through the foreground process
-    // group: INT and QUIT are then caught (so `run` outlives them and can release the key once
-    // CMD has exited) but not passed on a second time.
-    let interactive = std::io::stdin().is_terminal();
-    let kinds = [
-        (SignalKind::terminate(), true),
-        (SignalKind::hangup(), true),
-        (SignalKind::user_defined1(), true),
-        (SignalKind::user_defined2(), true),
-        (SignalKind::interrupt(), !interactive),
-        (SignalKind::quit(), !interactive),
-    ];
-    let (sig_tx, mut sig_rx) = tokio::sync::mpsc::channel::<i32>(16);
-    let mut listeners = Vec::new();
-    for (kind, forward) in kinds {
-        if let Ok(mut s) = signal(kind) {
-            let tx = sig_tx.clone();
-            listeners.push(tokio::spawn(async move {
-                while s.recv().await.is_some() {
-                    if forward && tx.send(kind.as_raw_value()).await.is_err() {
-                        return;
-                    }
-                }
-            }));
-        }
-    }
-    drop(sig_tx);
-
     let status = loop {
         tokio::select! {
             status = child.wait() => break status,
-            Some(signo) = sig_rx.recv() => {
-                if let (Some(pid), Ok(sig)) = (pid, Signal::try_from(signo)) {
+            Some((signo, forward)) = signals.rx.recv() => {
+                if let (true, Some(pid), Ok(sig)) = (forward, pid, Signal::try_from(signo)) {
                     let _ = kill(pid, sig);
                 }
             }
         }
     };
-    for l in listeners {
-        l.abort();
-    }
     if let Some(k) = keep_alive {
         k.abort();
     }
@@ -496,13 +502,82 @@ async fn spawn_and_wait(
         }
     };
     let tail = |t: &Arc<Mutex<Vec<u8>>>| {
-        String::from_utf8_lossy(&t.lock().map(|v| v.clone()).unwrap_or_default()).into_owned()
+        let bytes = t.lock().map(|v| v.clone()).unwrap_or_default();
+        // The cut may fall inside a UTF-8 character: start at the next one.
+        let start = bytes
+            .iter()
+            .take(3)
+            .take_while(|&&b| b & 0xC0 == 0x80)
+            .count();
+        String::from_utf8_lossy(&bytes[start..]).into_owned()
     };
     Outcome {
         spawned: true,
         exit_code,
         stdout_tail: tail(&stdout_tail),
         stderr_tail: tail(&stderr_tail),
+    }
+}
+
+/// The signals `run` catches from its start: passed on to CMD while it runs; before CMD
+/// starts, they stop `run` instead, which first gives back the key it took.
+///
+/// On a terminal, Ctrl-C and Ctrl-\ already reach CMD through the foreground process group:
+/// INT and QUIT are then caught (so `run` outlives them and can release the key once CMD has
+/// exited) but not passed on a second time.
+struct Signals {
+    /// Each signal caught, and whether CMD is to get it.
+    rx: tokio::sync::mpsc::Receiver<(i32, bool)>,
+    listeners: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        let interactive = std::io::stdin().is_terminal();
+        let kinds = [
+            (SignalKind::terminate(), true),
+            (SignalKind::hangup(), true),
+            (SignalKind::user_defined1(), true),
+            (SignalKind::user_defined2(), true),
+            (SignalKind::interrupt(), !interactive),
+            (SignalKind::quit(), !interactive),
+        ];
+        let (tx, rx) = tokio::sync::mpsc::channel::<(i32, bool)>(16);
+        let mut listeners = Vec::new();
+        for (kind, forward) in kinds {
+            if let Ok(mut s) = signal(kind) {
+                let tx = tx.clone();
+                listeners.push(tokio::spawn(async move {
+                    while s.recv().await.is_some() {
+                        if tx.send((kind.as_raw_value(), forward)).await.is_err() {
+                            return;
+                        }
+                    }
+                }));
+            }
+        }
+        Self { rx, listeners }
+    }
+
+    /// A signal that came before CMD could start, if any (any caught signal, Ctrl-C too).
+    fn before_cmd(&mut self) -> Option<i32> {
+        self.rx.try_recv().ok().map(|(signo, _)| signo)
+    }
+
+    /// Waits `pause`, or less when a signal comes: the signal.
+    async fn during(&mut self, pause: Duration) -> Option<i32> {
+        tokio::select! {
+            () = tokio::time::sleep(pause) => None,
+            caught = self.rx.recv() => caught.map(|(signo, _)| signo),
+        }
+    }
+}
+
+impl Drop for Signals {
+    fn drop(&mut self) {
+        for l in &self.listeners {
+            l.abort();
+        }
     }
 }
 

@@ -193,6 +193,14 @@ impl Backend {
         }
     }
 
+    /// Removes a key's record (over HTTP: an admin call); true when a live one went.
+    pub async fn forget(&self, ns: &str, key: &str) -> anyhow::Result<bool> {
+        match self {
+            Backend::Remote(c) => Ok(c.forget(ns, key).await?),
+            _ => Ok(self.gate().await?.forget(ns, key).await?),
+        }
+    }
+
     /// Renews a lease; the new lease end.
     pub async fn extend(
         &self,
