@@ -376,6 +376,30 @@ fn an_idempotent_cmd_that_never_started_leaves_the_key_free() {
     assert_eq!(env.count_lines("count"), 1, "{}", stderr(&next));
 }
 
+/// Found by an adversarial run: the stored 2 KiB tail of an output of multi-byte characters
+/// began inside one (two U+FFFD). It starts at the next whole character now.
+#[test]
+fn output_tails_start_on_a_whole_character() {
+    let env = Env::new("tail");
+    // 2,000 euro signs (3 bytes each): a 2,048-byte tail cut from the end starts 2 bytes into one.
+    let out = env.run(
+        &["--key", "euros"],
+        r"i=0; while [ $i -lt 2000 ]; do printf '\342\202\254' >&2; i=$((i+1)); done",
+    );
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let get = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args(["get", "--store", &env.store, "--namespace", &env.namespace])
+        .args(["--key", "euros"])
+        .output()
+        .unwrap();
+    assert!(get.status.success(), "{}", stderr(&get));
+    let record: serde_json::Value = serde_json::from_slice(&get.stdout).unwrap();
+    let tail = record["result"]["stderr_tail"].as_str().unwrap();
+    assert!(!tail.contains('\u{FFFD}'), "{tail:?}");
+    assert_eq!(tail.chars().count(), 682, "whole characters only");
+}
+
 #[test]
 fn wait_runs_after_a_failed_holder_and_skips_after_a_completed_one() {
     let env = Env::new("wait");
