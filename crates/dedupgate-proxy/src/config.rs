@@ -186,6 +186,11 @@ impl IdempotencyConfig {
 ///
 /// [[route]]
 /// methods = ["POST"]
+/// path = "/v1/charges"
+/// key = "required"
+///
+/// [[route]]
+/// methods = ["POST"]
 /// path = "/v1/charges/**"
 /// key = "required"
 ///

@@ -456,6 +456,12 @@ fn wait_runs_after_a_failed_holder_and_skips_after_a_completed_one() {
         "true",
     );
     assert_eq!(code(&gave_up), 5, "{}", stderr(&gave_up));
+    assert!(
+        stderr(&gave_up).contains("--wait-timeout ran out")
+            && !stderr(&gave_up).contains("give --wait"),
+        "{}",
+        stderr(&gave_up)
+    );
     let mut holder = holder;
     let _ = holder.kill();
     let _ = holder.wait();
@@ -514,6 +520,15 @@ fn gate_failures_and_bad_commands_have_their_own_exit_codes() {
         .output()
         .unwrap();
     assert_eq!(code(&missing), 127, "{}", stderr(&missing));
+    // A lease shorter than a second ran out between renewals and let a second trigger run
+    // CMD beside the first (found by an adversarial run): refused, nothing run.
+    let short = env.run(
+        &["--key", "short", "--lease", "500ms"],
+        &append(&env.path("short")),
+    );
+    assert_eq!(code(&short), 125, "{}", stderr(&short));
+    assert!(stderr(&short).contains("at least 1s"), "{}", stderr(&short));
+    assert_eq!(env.count_lines("short"), 0);
     let noexec = env.path("noexec.sh");
     fs::write(&noexec, "#!/bin/sh\n").unwrap();
     let cannot = Command::new(env!("CARGO_BIN_EXE_dedupgate"))

@@ -161,7 +161,7 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
         ns: args.namespace.clone(),
         key,
         ttl_ms: parse_duration_ms(&args.ttl).context("--ttl")?,
-        lease_ms: parse_duration_ms(&args.lease).context("--lease")?,
+        lease_ms: lease_ms(&args.lease)?,
         owner: owner(),
     };
     let wait_timeout_ms = args
@@ -226,7 +226,15 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                             && wait_timeout_ms
                                 .is_none_or(|t| started.elapsed() < Duration::from_millis(t));
                         if !waiting {
-                            eprintln!("{}", skip_message(&plan.key, &record));
+                            let mut message = skip_message(&plan.key, &record);
+                            if args.wait && record.state == State::InProgress {
+                                // Waited already: the hint to wait would be wrong.
+                                if let Some(cut) = message.rfind("; give --wait") {
+                                    message.truncate(cut);
+                                    message.push_str("; --wait-timeout ran out");
+                                }
+                            }
+                            eprintln!("{message}");
                             return Ok(args.skip_exit_code);
                         }
                         let until_ms = record.lease_expires_at_ms.unwrap_or(0) as i64 - now_ms();
@@ -287,6 +295,18 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
             }
         }
     }
+}
+
+/// Shortest `--lease`: the lease is renewed every third of it while CMD runs, and a shorter one
+/// ran out between renewals, letting a second trigger run CMD beside the first.
+const LEASE_MS_MIN: u64 = 1_000;
+
+fn lease_ms(text: &str) -> anyhow::Result<u64> {
+    let ms = parse_duration_ms(text).context("--lease")?;
+    if ms < LEASE_MS_MIN {
+        bail!("--lease {text:?}: at least 1s (it is renewed every third of it while CMD runs)");
+    }
+    Ok(ms)
 }
 
 /// Who holds a claim: host, process and a nonce of this run (`host:pid/nonce`), shown to the
