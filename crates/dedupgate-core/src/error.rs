@@ -94,6 +94,21 @@ impl GateError {
     }
 }
 
+/// `e` and its sources, joined with `: ` on one line: for logs and messages where only text
+/// can go (a `Box<dyn Error>`, a store's "unavailable" detail). The error types of this
+/// workspace never also return as their source a cause their message already holds, so each
+/// cause appears once.
+pub fn chain_text(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

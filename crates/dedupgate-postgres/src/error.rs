@@ -60,16 +60,7 @@ impl From<PgError> for StoreError {
 pub(crate) fn describe_pg(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("postgres {}: {}", db.code().code(), db.message()),
-        None => {
-            let mut text = format!("postgres: {e}");
-            let mut source = std::error::Error::source(e);
-            while let Some(s) = source {
-                text.push_str(": ");
-                text.push_str(&s.to_string());
-                source = s.source();
-            }
-            text
-        }
+        None => format!("postgres: {}", dedupgate_core::error::chain_text(e)),
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use dedupgate_core::error::chain_text;
 use http::header::{self, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
@@ -255,11 +256,11 @@ impl Service<Request<ProxyBody>> for Upstream {
                     ))
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %error_chain(&e), "upstream request failed");
+                    tracing::warn!(error = %chain_text(&e), "upstream request failed");
                     return Ok(problem(
                         StatusCode::BAD_GATEWAY,
                         "bad_gateway",
-                        format!("the upstream could not be reached: {}", error_chain(&e)),
+                        format!("the upstream could not be reached: {}", chain_text(&e)),
                     ));
                 }
                 Ok(Ok(res)) => res,
@@ -272,15 +273,4 @@ impl Service<Request<ProxyBody>> for Upstream {
             ))
         })
     }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
 }

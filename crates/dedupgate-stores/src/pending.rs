@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dedupgate_core::error::chain_text;
 use dedupgate_core::{GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats};
 
 use crate::{open, OpenStoreError, StoreSpec};
@@ -42,7 +43,7 @@ pub async fn open_or_pending(
     match open(spec).await {
         Ok(store) => Ok((store, None)),
         Err(e) if e.is_unavailable() => {
-            let pending = PendingStore::spawn(spec.clone(), backoff, chain(&e));
+            let pending = PendingStore::spawn(spec.clone(), backoff, chain_text(&e));
             Ok((Arc::new(pending), Some(e)))
         }
         Err(e) => Err(e),
@@ -126,7 +127,7 @@ async fn reopen(spec: StoreSpec, backoff: Backoff, shared: Arc<Shared>) {
                 return;
             }
             Err(e) => {
-                let text = chain(&e);
+                let text = chain_text(&e);
                 pause = (pause * 2).min(backoff.max);
                 if e.is_unavailable() {
                     tracing::warn!(
@@ -215,18 +216,6 @@ fn spec_text(spec: &StoreSpec) -> String {
             format!("tiered:{},{}", spec_text(fast), spec_text(durable))
         }
     }
-}
-
-/// An error and its sources, one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]
@@ -326,7 +315,7 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("{url}: refused, not pending"));
             assert!(!err.is_unavailable(), "{url}: {err}");
-            let text = chain(&err);
+            let text = chain_text(&err);
             assert!(text.contains("authentication"), "{url}: {text}");
             assert!(!text.contains("wrong@"), "password shown: {text}");
         }
@@ -350,6 +339,6 @@ mod tests {
             .err()
             .unwrap_or_else(|| panic!("{missing}: refused, not pending"));
         assert!(!err.is_unavailable(), "{err}");
-        assert!(chain(&err).contains("3D000"), "{}", chain(&err));
+        assert!(chain_text(&err).contains("3D000"), "{}", chain_text(&err));
     }
 }

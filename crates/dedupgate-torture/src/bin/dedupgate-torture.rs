@@ -230,14 +230,10 @@ fn main() -> ExitCode {
         Err(e) => {
             // With its causes: a gate that cannot open its store must say why in its log (the
             // harness shows that log's tail when the gate does not come up).
-            let mut text = e.to_string();
-            let mut cause = e.source();
-            while let Some(c) = cause {
-                text.push_str(": ");
-                text.push_str(&c.to_string());
-                cause = c.source();
-            }
-            eprintln!("dedupgate-torture: {text}");
+            eprintln!(
+                "dedupgate-torture: {}",
+                dedupgate_core::error::chain_text(e.as_ref())
+            );
             ExitCode::from(2)
         }
     }

@@ -183,7 +183,7 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                 .await?
             {
                 Mark::Duplicate { record } => {
-                    eprintln!("{}", skip_message(&plan.key, &record));
+                    eprintln!("{}", skip_message(&plan.key, &record, false));
                     Ok(args.skip_exit_code)
                 }
                 Mark::New { record } => {
@@ -226,15 +226,7 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                             && wait_timeout_ms
                                 .is_none_or(|t| started.elapsed() < Duration::from_millis(t));
                         if !waiting {
-                            let mut message = skip_message(&plan.key, &record);
-                            if args.wait && record.state == State::InProgress {
-                                // Waited already: the hint to wait would be wrong.
-                                if let Some(cut) = message.rfind("; give --wait") {
-                                    message.truncate(cut);
-                                    message.push_str("; --wait-timeout ran out");
-                                }
-                            }
-                            eprintln!("{message}");
+                            eprintln!("{}", skip_message(&plan.key, &record, args.wait));
                             return Ok(args.skip_exit_code);
                         }
                         let until_ms = record.lease_expires_at_ms.unwrap_or(0) as i64 - now_ms();
@@ -351,13 +343,20 @@ fn rfc3339(ms: i64) -> String {
     format_rfc3339_ms(ms, false).unwrap_or_else(|| ms.to_string())
 }
 
-fn skip_message(key: &str, record: &Record) -> String {
+/// Why a trigger skipped CMD; `waited`: it waited with `--wait` already (until
+/// `--wait-timeout` ran out), so it does not suggest waiting.
+fn skip_message(key: &str, record: &Record, waited: bool) -> String {
     let owner = record.owner.as_deref().unwrap_or("an unnamed worker");
     match record.state {
         State::InProgress => format!(
-            "dedupgate run: skipped: {key:?} is running now (held by {owner} since {}, lease until {}); give --wait to wait for it",
+            "dedupgate run: skipped: {key:?} is running now (held by {owner} since {}, lease until {}); {}",
             rfc3339(record.created_at_ms as i64),
             rfc3339(record.lease_expires_at_ms.unwrap_or(0) as i64),
+            if waited {
+                "--wait-timeout ran out"
+            } else {
+                "give --wait to wait for it"
+            },
         ),
         State::Completed => {
             let ran_by = record
