@@ -59,25 +59,25 @@ pub trait Txn {
     fn meta_put(&mut self, name: &str, value: u64) -> Result<(), EngineError>;
     /// True when no entry is stored (checked only when a store has no format version).
     fn is_empty(&mut self) -> Result<bool, EngineError>;
-    /// Copies the key-set value stored under `key` (see [`crate::keyset`]) into `out`; false
+    /// Copies the key-set chunk stored under `key` (see [`crate::keyset`]) into `out`; false
     /// when there is none. Unlike [`Txn::get`], sees this transaction's own key-set puts.
     /// An engine without a key set holds an empty one: its reads find nothing, its writes fail.
     fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
         let _ = (key, out);
         Ok(false)
     }
-    /// Stores a key-set value, replacing any.
+    /// Stores a key-set chunk, replacing any.
     fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
         let _ = (key, value);
         Err(no_key_set())
     }
-    /// Removes a key-set value, if any.
+    /// Removes a key-set chunk, if any.
     fn set_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
         let _ = key;
         Err(no_key_set())
     }
-    /// Appends to `out` up to `max` key-set entries whose keys sort after `after`, smallest
-    /// first (the sweeper's walk).
+    /// Appends to `out` up to `max` key-set chunks whose keys sort after `after`, smallest
+    /// first.
     fn set_after(
         &mut self,
         after: &[u8],
@@ -86,6 +86,22 @@ pub trait Txn {
     ) -> Result<(), EngineError> {
         let _ = (after, max, out);
         Ok(())
+    }
+    /// Like [`Txn::set_after`], over format 3's one-entry-per-key members (read only by the
+    /// migration to chunks).
+    fn members_v3_after(
+        &mut self,
+        after: &[u8],
+        max: usize,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        let _ = (after, max, out);
+        Ok(())
+    }
+    /// Removes one of format 3's members (the migration, once its chunk is written).
+    fn members_v3_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
+        let _ = key;
+        Err(no_key_set())
     }
 }
 
@@ -175,8 +191,11 @@ pub struct FjallEngine {
     entries: fjall::PartitionHandle,
     expiry: fjall::PartitionHandle,
     meta: fjall::PartitionHandle,
-    /// The key set of `dedup --ledger` (see [`crate::keyset`]).
+    /// The key set of `dedup --ledger` (see [`crate::keyset`]), in chunks.
     keyset: fjall::PartitionHandle,
+    /// Format 3's key set, one entry per key: emptied by the migration to format 4, kept so
+    /// a store migrated part way can finish.
+    members_v3: fjall::PartitionHandle,
     path: PathBuf,
     /// The write transaction's buffered entry puts, kept for the next one.
     puts: PutBuffer,
@@ -206,8 +225,14 @@ impl FjallEngine {
     }
 
     /// Every partition, for what touches them all (memtable rotation, flush waits).
-    fn partitions(&self) -> [&fjall::PartitionHandle; 4] {
-        [&self.entries, &self.expiry, &self.meta, &self.keyset]
+    fn partitions(&self) -> [&fjall::PartitionHandle; 5] {
+        [
+            &self.entries,
+            &self.expiry,
+            &self.meta,
+            &self.keyset,
+            &self.members_v3,
+        ]
     }
 
     /// [`FjallEngine::open`] with `cache_bytes` of block cache.
@@ -239,13 +264,15 @@ impl FjallEngine {
         let entries = keyspace.open_partition("entries", opts())?;
         let expiry = keyspace.open_partition("expiry", opts())?;
         let meta = keyspace.open_partition("meta", opts())?;
-        let keyset = keyspace.open_partition("keyset", opts())?;
+        let keyset = keyspace.open_partition("keyset_chunks", opts())?;
+        let members_v3 = keyspace.open_partition("keyset", opts())?;
         Ok(Self {
             keyspace,
             entries,
             expiry,
             meta,
             keyset,
+            members_v3,
             path: path.to_owned(),
             puts: PutBuffer::default(),
             last: PutBuffer::default(),
@@ -443,7 +470,9 @@ impl Txn for FjallTxn<'_> {
 
     fn is_empty(&mut self) -> Result<bool, EngineError> {
         self.flush()?;
-        Ok(self.engine.entries.is_empty()? && self.engine.keyset.is_empty()?)
+        Ok(self.engine.entries.is_empty()?
+            && self.engine.keyset.is_empty()?
+            && self.engine.members_v3.is_empty()?)
     }
 
     fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
@@ -471,6 +500,23 @@ impl Txn for FjallTxn<'_> {
         use std::ops::Bound;
         let range = (Bound::Excluded(after), Bound::Unbounded);
         push_range(self.engine.keyset.range::<&[u8], _>(range), max, out)
+    }
+
+    fn members_v3_after(
+        &mut self,
+        after: &[u8],
+        max: usize,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        use std::ops::Bound;
+        let range = (Bound::Excluded(after), Bound::Unbounded);
+        push_range(self.engine.members_v3.range::<&[u8], _>(range), max, out)
+    }
+
+    fn members_v3_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
+        self.wrote = true;
+        self.engine.members_v3.remove(key)?;
+        Ok(())
     }
 }
 

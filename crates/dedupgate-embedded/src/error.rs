@@ -55,8 +55,8 @@ pub enum OpenError {
     /// The store was written with a format this build does not read.
     #[error(
         "store {path} has format version {found}; this build reads version {supported} and \
-         migrates version {migrated}",
-        migrated = crate::FORMAT_VERSION_MIGRATED
+         migrates versions {migrated:?}",
+        migrated = crate::FORMATS_MIGRATED
     )]
     UnknownFormat {
         /// The file.

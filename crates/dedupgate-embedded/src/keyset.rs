@@ -2,25 +2,32 @@
 //!
 //! A gate record carries a state, a token, a fence, an owner and a result, and a claim that is
 //! later completed writes it twice. A pipeline's ledger needs none of that, only "was this key
-//! let through within the ttl": a member is 16 bytes that name a key (the caller's SHA-256 prefix
-//! of it) in a namespace, mapped to the instant it expires. A new key costs one put of 35 bytes
-//! or so, a known one one lookup; members carry no expiry index (a second put per key): the
-//! sweeper walks the set in key order, a bounded step per sweep (see [`sweep_step`]).
+//! let through within the ttl", for keys that arrive thousands per call, all recorded at one
+//! instant with one ttl. So the set is kept in **chunks**: a call's recorded keys (16 bytes each
+//! that name a key, the caller's SHA-256 prefix of it) go into one engine entry per
+//! [`CHUNK_IDS_MAX`] keys, keyed by the instant they expire. The writer keeps every live id in
+//! memory ([`Members`], loaded from the chunks by the first call that checks or records), so a
+//! lookup is a hash probe and a new key costs 16 bytes of a chunk. Format 3 wrote one LSM entry
+//! per key and looked each one up in the tree: a 1M-line ledger run took ~8x the run without
+//! one, mostly in the memtable's skip list.
 //!
 //! The set lives beside the gate's records in the same directory, under the same lock, writer
 //! and fsync rules: a [`KeySetCall`] that writes is one transaction and one fdatasync, answered
 //! only after it. It is a separate set: a gate op never sees it (`dedupgate forget` on an
-//! embedded store removes a key's member with [`KeySetCall::forget`] beside the gate op), and a
+//! embedded store removes a key from it with [`KeySetCall::forget`] beside the gate op), and a
 //! key-set member never answers a gate claim. The other way round, a call may name each checked key's gate record
 //! ([`KeySetCall::gate_keys`]): a key the set does not hold is still known while that record is
 //! live (completed, or in progress under a live lease), so a ledger kept as gate records (by a
 //! build before the key set, or by runs through a server) keeps counting.
 //!
-//! Encoding (part of [`crate::FORMAT_VERSION`]): member key = 16 id bytes, then the namespace's
-//! bytes (random bytes first, so the engine's comparisons end early); value = a version byte
-//! ([`MEMBER_ENCODING_V1`]), then the expiry instant as u64 big-endian unix ms.
+//! Encoding (part of [`crate::FORMAT_VERSION`]): chunk key = expiry instant (u64 big-endian unix
+//! ms) ++ a sequence number (u64 big-endian, from meta), so chunks sort by expiry and the sweeper
+//! removes whole expired chunks from the front, no walk; chunk value = a version byte
+//! ([`CHUNK_ENCODING_V1`]), the namespace's length (u16 big-endian) and bytes, then the ids.
+//! Memory: about 25 bytes per live id while the store has served a key-set call.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use dedupgate_core::op::DURATION_MS_MAX;
 use dedupgate_core::{GateError, InvalidInput, Namespace, RecordId};
@@ -31,8 +38,17 @@ use crate::engine::{EngineError, Txn};
 /// Bytes that name a key in the set: the caller's digest of the key (a SHA-256 prefix).
 pub type KeyId = [u8; 16];
 
-/// Version of the member encoding written by this build.
-pub const MEMBER_ENCODING_V1: u8 = 1;
+/// Version of the chunk encoding written by this build.
+pub const CHUNK_ENCODING_V1: u8 = 1;
+
+/// Most ids in one chunk (64 KiB of ids): a call that records more writes several.
+pub const CHUNK_IDS_MAX: usize = 4_096;
+
+/// Meta key of the last chunk sequence number used.
+const META_CHUNK_SEQ: &str = "keyset_chunk_seq";
+
+/// Chunks read per engine call while loading the set or forgetting keys.
+const SCAN_PAGE_CHUNKS: usize = 64;
 
 /// One round trip to the key set: first `forget` is removed, then `record` is stored (expiring
 /// `ttl_ms` from now), then each of `check` is looked up; with `record_new` the ones found
@@ -86,32 +102,159 @@ impl KeySetCall {
     }
 }
 
-/// Appends a member's storage key to `out` (cleared first).
-pub fn encode_member(id: &KeyId, namespace: &Namespace, out: &mut Vec<u8>) {
-    out.clear();
-    out.extend_from_slice(id);
-    out.extend_from_slice(namespace.as_str().as_bytes());
+/// A chunk's engine key: its expiry, then its sequence number (both big-endian, so chunks sort
+/// by expiry).
+pub fn chunk_key(expires_at_ms: u64, seq: u64) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&expires_at_ms.to_be_bytes());
+    key[8..].copy_from_slice(&seq.to_be_bytes());
+    key
 }
 
-/// A member's stored value.
-pub fn encode_expiry(expires_at_ms: u64) -> [u8; 9] {
-    let mut v = [0u8; 9];
-    v[0] = MEMBER_ENCODING_V1;
-    v[1..].copy_from_slice(&expires_at_ms.to_be_bytes());
-    v
-}
-
-/// The expiry instant of a stored value; an error for anything this build did not write.
-pub fn decode_expiry(bytes: &[u8]) -> Result<u64, DecodeError> {
-    match bytes {
-        [MEMBER_ENCODING_V1, rest @ ..] => rest
-            .try_into()
-            .map(u64::from_be_bytes)
-            .map_err(|_| DecodeError(format!("key-set value of {} bytes, not 9", bytes.len()))),
-        [v, ..] => Err(DecodeError(format!(
-            "key-set value encoding {v} is unknown"
+/// The expiry of a chunk key; an error for a key this build did not write.
+pub fn chunk_expiry(key: &[u8]) -> Result<u64, DecodeError> {
+    match key {
+        [expiry @ .., _, _, _, _, _, _, _, _] if expiry.len() == 8 => {
+            Ok(u64::from_be_bytes(expiry.try_into().expect("eight bytes")))
+        }
+        _ => Err(DecodeError(format!(
+            "key-set chunk key of {} bytes, not 16",
+            key.len()
         ))),
-        [] => Err(DecodeError("empty key-set value".into())),
+    }
+}
+
+/// Writes a chunk's value into `out` (cleared first).
+pub fn encode_chunk(namespace: &str, ids: &[KeyId], out: &mut Vec<u8>) {
+    let len = u16::try_from(namespace.len()).expect("namespaces are at most 255 bytes");
+    out.clear();
+    out.reserve(3 + namespace.len() + ids.len() * 16);
+    out.push(CHUNK_ENCODING_V1);
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(namespace.as_bytes());
+    for id in ids {
+        out.extend_from_slice(id);
+    }
+}
+
+/// A decoded chunk: its namespace and ids, borrowed from the value.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Chunk<'a> {
+    /// The namespace every id belongs to.
+    pub namespace: &'a str,
+    ids: &'a [u8],
+}
+
+impl<'a> Chunk<'a> {
+    /// The ids, in the order they were written.
+    pub fn ids(&self) -> impl ExactSizeIterator<Item = KeyId> + 'a {
+        self.ids
+            .chunks_exact(16)
+            .map(|id| id.try_into().expect("sixteen bytes"))
+    }
+}
+
+/// Reads a chunk's value; an error for anything this build did not write.
+pub fn decode_chunk(value: &[u8]) -> Result<Chunk<'_>, DecodeError> {
+    let bad = |what: &str| DecodeError(format!("key-set chunk: {what}"));
+    let rest = match value {
+        [CHUNK_ENCODING_V1, rest @ ..] => rest,
+        [v, ..] => return Err(bad(&format!("encoding {v} is unknown"))),
+        [] => return Err(bad("empty value")),
+    };
+    let (len, rest) = match rest {
+        [a, b, rest @ ..] => (usize::from(u16::from_be_bytes([*a, *b])), rest),
+        _ => return Err(bad("no namespace length")),
+    };
+    if rest.len() < len {
+        return Err(bad("namespace cut short"));
+    }
+    let (namespace, ids) = rest.split_at(len);
+    let namespace = std::str::from_utf8(namespace).map_err(|_| bad("namespace is not UTF-8"))?;
+    if ids.len() % 16 != 0 {
+        return Err(bad(&format!(
+            "{} id bytes, not a multiple of 16",
+            ids.len()
+        )));
+    }
+    Ok(Chunk { namespace, ids })
+}
+
+/// Hashes an id by folding its bytes: ids are digests already, so SipHash's work buys nothing.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for part in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..part.len()].copy_from_slice(part);
+            self.0 = (self.0.rotate_left(29) ^ u64::from_le_bytes(word))
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 31)
+    }
+}
+
+type IdBuild = BuildHasherDefault<IdHasher>;
+
+/// Every id of the set with its latest expiry, per namespace, as the last commit left it. The
+/// writer's alone; dropped whenever a write fails (reloaded from the chunks by the next call).
+#[derive(Debug, Default)]
+pub(crate) struct Members {
+    namespaces: HashMap<String, HashMap<KeyId, u64, IdBuild>>,
+}
+
+impl Members {
+    /// Reads every unexpired chunk. An undecodable one stops the load: the keys it holds are
+    /// unknown, and "unreadable" must never read as "absent".
+    fn load(txn: &mut dyn Txn, now_ms: u64) -> Result<Result<Members, Unreadable>, EngineError> {
+        let mut members = Members::default();
+        let found = scan_chunks(txn, &mut |key, value| {
+            let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
+            if expires_at_ms <= now_ms {
+                return Ok(()); // the sweeper's
+            }
+            let chunk = decode_chunk(value).map_err(|e| unreadable(key, e))?;
+            members.add(chunk.namespace, chunk.ids(), expires_at_ms);
+            Ok(())
+        })?;
+        Ok(found.map(|()| members))
+    }
+
+    fn add(&mut self, namespace: &str, ids: impl ExactSizeIterator<Item = KeyId>, expires: u64) {
+        let set = match self.namespaces.get_mut(namespace) {
+            Some(set) => set,
+            None => self.namespaces.entry(namespace.to_owned()).or_default(),
+        };
+        set.reserve(ids.len());
+        for id in ids {
+            let at = set.entry(id).or_insert(expires);
+            *at = (*at).max(expires);
+        }
+    }
+
+    /// Whether `id` is in the set and unexpired at `now_ms`.
+    fn holds(&self, namespace: &str, id: &KeyId, now_ms: u64) -> bool {
+        self.namespaces
+            .get(namespace)
+            .and_then(|set| set.get(id))
+            .is_some_and(|&expires| expires > now_ms)
+    }
+
+    /// Forgets the ids of an expired chunk whose latest expiry is the chunk's (a later chunk
+    /// may have recorded an id again).
+    fn remove_expired(&mut self, chunk: &Chunk<'_>, expires: u64) {
+        if let Some(set) = self.namespaces.get_mut(chunk.namespace) {
+            for id in chunk.ids() {
+                if set.get(&id) == Some(&expires) {
+                    set.remove(&id);
+                }
+            }
+        }
     }
 }
 
@@ -119,107 +262,156 @@ pub fn decode_expiry(bytes: &[u8]) -> Result<u64, DecodeError> {
 #[derive(Debug)]
 pub(crate) struct Unreadable(pub String);
 
+fn unreadable(key: &[u8], e: DecodeError) -> Unreadable {
+    Unreadable(format!("key-set chunk {}: {}", hex(key), e.0))
+}
+
+/// What [`scan_chunks`] calls with each chunk's key and value.
+type ChunkVisitor<'a> = dyn FnMut(&[u8], &[u8]) -> Result<(), Unreadable> + 'a;
+
+/// Calls `each` with every chunk (key, value) in key order, a page at a time; stops at the
+/// first `Err` it returns.
+fn scan_chunks(
+    txn: &mut dyn Txn,
+    each: &mut ChunkVisitor<'_>,
+) -> Result<Result<(), Unreadable>, EngineError> {
+    let mut after = Vec::new();
+    let mut page = Vec::with_capacity(SCAN_PAGE_CHUNKS);
+    loop {
+        page.clear();
+        txn.set_after(&after, SCAN_PAGE_CHUNKS, &mut page)?;
+        for (key, value) in &page {
+            if let Err(e) = each(key, value) {
+                return Ok(Err(e));
+            }
+        }
+        match page.pop() {
+            Some((last, _)) if page.len() + 1 == SCAN_PAGE_CHUNKS => after = last,
+            _ => return Ok(Ok(())),
+        }
+    }
+}
+
 /// Runs `call` inside `txn` at `now_ms`: answers one bool per key of `check` (true: new), then
-/// one per key of `forget` (true: a live member was removed), in `answers`. Reads come first: an
-/// unreadable member stops the call before any write (`Ok(Err(..))`, nothing to commit).
-/// Returns whether anything was written.
+/// one per key of `forget` (true: a live member was removed), in `answers`. `members` is the
+/// writer's in-memory set, loaded here when the call needs it. Reads come first: an unreadable
+/// chunk stops the call before any write (`Ok(Err(..))`, nothing to commit, `members` as it
+/// was). Returns whether anything was written; a caller whose commit then fails must drop
+/// `members`.
 pub(crate) fn apply(
     txn: &mut dyn Txn,
+    members: &mut Option<Members>,
     call: &KeySetCall,
     now_ms: u64,
     answers: &mut Vec<bool>,
 ) -> Result<Result<bool, Unreadable>, EngineError> {
-    let expires = encode_expiry(now_ms.saturating_add(call.ttl_ms));
-    let mut key = Vec::with_capacity(16 + call.namespace.as_str().len());
-    let mut value = Vec::with_capacity(16);
+    let ns = call.namespace.as_str();
     answers.clear();
     answers.resize(call.check.len() + call.forget.len(), false);
-    // Members to forget, read first like every other key: their answers, and which exist.
-    let mut forgotten = HashSet::with_capacity(call.forget.len());
-    for (i, id) in call.forget.iter().enumerate() {
-        encode_member(id, &call.namespace, &mut key);
-        match stored_expiry(txn, &key, &mut value)? {
-            Ok(Some(expires_at_ms)) => {
-                answers[call.check.len() + i] = expires_at_ms > now_ms;
-                forgotten.insert(id);
+    // Keys to forget: every chunk of the namespace that holds one is rewritten without it (an
+    // operator's rare `forget`, so a scan of the set; it needs no loaded set).
+    let forgotten: HashSet<&KeyId, IdBuild> = call.forget.iter().collect();
+    let mut rewrites: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    if !forgotten.is_empty() {
+        let forget_answers = &mut answers[call.check.len()..];
+        let found = scan_chunks(txn, &mut |key, value| {
+            let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
+            let chunk = match decode_chunk(value) {
+                Ok(chunk) => chunk,
+                // An expired chunk holds nothing live: the sweeper removes it, readable or not.
+                Err(_) if expires_at_ms <= now_ms => return Ok(()),
+                Err(e) => return Err(unreadable(key, e)),
+            };
+            if chunk.namespace != ns || !chunk.ids().any(|id| forgotten.contains(&id)) {
+                return Ok(());
             }
-            Ok(None) => {}
-            Err(e) => return Ok(Err(e)),
+            let mut kept = Vec::with_capacity(chunk.ids().len());
+            for id in chunk.ids() {
+                if forgotten.contains(&id) {
+                    if expires_at_ms > now_ms {
+                        for (i, f) in call.forget.iter().enumerate() {
+                            forget_answers[i] |= *f == id;
+                        }
+                    }
+                } else {
+                    kept.push(id);
+                }
+            }
+            let mut value = Vec::new();
+            if !kept.is_empty() {
+                encode_chunk(ns, &kept, &mut value);
+            }
+            rewrites.push((key.to_vec(), value));
+            Ok(())
+        })?;
+        if let Err(e) = found {
+            return Ok(Err(e));
         }
     }
-    // Lookups in key order share their path down the memtable and segment indexes; among equal
-    // ids the first in `check` is the one that may be new.
-    let mut order: Vec<usize> = (0..call.check.len()).collect();
-    order.sort_unstable_by(|&a, &b| call.check[a].cmp(&call.check[b]).then(a.cmp(&b)));
-    let recorded: HashSet<&KeyId> = call.record.iter().collect();
-    let mut previous: Option<&KeyId> = None;
-    for &i in &order {
-        let id = &call.check[i];
-        if previous == Some(id) {
-            continue; // a repeat within the call: not new
-        }
-        previous = Some(id);
-        if recorded.contains(id) {
-            continue; // stored by this very call
-        }
-        answers[i] = if forgotten.contains(id) {
-            true // removed by this very call, before the lookups
-        } else {
-            encode_member(id, &call.namespace, &mut key);
-            match stored_expiry(txn, &key, &mut value)? {
-                Ok(Some(expires_at_ms)) => expires_at_ms <= now_ms,
-                Ok(None) => true,
+    if !call.check.is_empty() || !call.record.is_empty() {
+        let set = match members {
+            Some(set) => set,
+            None => match Members::load(txn, now_ms)? {
+                Ok(loaded) => members.insert(loaded),
                 Err(e) => return Ok(Err(e)),
-            }
+            },
         };
-        if answers[i] {
-            if let Some(gate_key) = call.gate_keys.get(i) {
-                match gate_record_holds(txn, &call.namespace, gate_key, now_ms, &mut key)? {
-                    Ok(held) => answers[i] = !held,
-                    Err(e) => return Ok(Err(e)),
+        // Lookups: a repeat within the call, or a key this call records, is not new.
+        let recorded: HashSet<&KeyId, IdBuild> = call.record.iter().collect();
+        let mut seen: HashSet<&KeyId, IdBuild> = HashSet::default();
+        seen.reserve(call.check.len());
+        let mut key = Vec::new();
+        for (i, id) in call.check.iter().enumerate() {
+            if !seen.insert(id) || recorded.contains(id) {
+                continue;
+            }
+            answers[i] = forgotten.contains(id) || !set.holds(ns, id, now_ms);
+            if answers[i] {
+                if let Some(gate_key) = call.gate_keys.get(i) {
+                    match gate_record_holds(txn, &call.namespace, gate_key, now_ms, &mut key)? {
+                        Ok(held) => answers[i] = !held,
+                        Err(e) => return Ok(Err(e)),
+                    }
                 }
             }
         }
     }
+    // Writes, only once every read is done. Forgotten ids leave the loaded set before this
+    // call's own records go in.
     let mut wrote = false;
-    for id in forgotten {
-        encode_member(id, &call.namespace, &mut key);
-        txn.set_remove(&key)?;
+    for (key, value) in &rewrites {
+        if value.is_empty() {
+            txn.set_remove(key)?;
+        } else {
+            txn.set_put(key, value)?;
+        }
         wrote = true;
     }
-    // In key order, like the lookups: consecutive inserts share their path down the memtable.
-    let mut record: Vec<&KeyId> = call.record.iter().collect();
-    record.sort_unstable();
-    for id in record {
-        encode_member(id, &call.namespace, &mut key);
-        txn.set_put(&key, &expires)?;
-        wrote = true;
-    }
-    if call.record_new {
-        for &i in &order {
-            if answers[i] {
-                encode_member(&call.check[i], &call.namespace, &mut key);
-                txn.set_put(&key, &expires)?;
-                wrote = true;
-            }
+    if let Some(ids) = members.as_mut().and_then(|m| m.namespaces.get_mut(ns)) {
+        for id in &call.forget {
+            ids.remove(id);
         }
     }
-    Ok(Ok(wrote))
-}
-
-/// The expiry of the member stored under `key` (`None`: absent). A value this build cannot read
-/// is [`Unreadable`], never "absent": an operator must look (or start a fresh ledger).
-fn stored_expiry(
-    txn: &mut dyn Txn,
-    key: &[u8],
-    value: &mut Vec<u8>,
-) -> Result<Result<Option<u64>, Unreadable>, EngineError> {
-    if !txn.set_get(key, value)? {
-        return Ok(Ok(None));
+    let mut new_ids = call.record.clone();
+    if call.record_new {
+        let found_new = call.check.iter().zip(answers.iter()).filter(|(_, &n)| n);
+        new_ids.extend(found_new.map(|(id, _)| *id));
     }
-    Ok(decode_expiry(value)
-        .map(Some)
-        .map_err(|e| Unreadable(format!("{}: {e}", hex(key)))))
+    if !new_ids.is_empty() {
+        let expires_at_ms = now_ms.saturating_add(call.ttl_ms);
+        let mut seq = txn.meta_get(META_CHUNK_SEQ)?.unwrap_or(0);
+        let mut value = Vec::new();
+        for ids in new_ids.chunks(CHUNK_IDS_MAX) {
+            seq += 1;
+            encode_chunk(ns, ids, &mut value);
+            txn.set_put(&chunk_key(expires_at_ms, seq), &value)?;
+        }
+        txn.meta_put(META_CHUNK_SEQ, seq)?;
+        let set = members.as_mut().expect("loaded for a call that records");
+        set.add(ns, new_ids.into_iter(), expires_at_ms);
+        wrote = true;
+    }
+    Ok(Ok(wrote))
 }
 
 /// Whether the gate record of `gate_key` is live and would make a claim of it a duplicate
@@ -250,65 +442,115 @@ fn gate_record_holds(
     Ok(Ok(entry.holds(now_ms)))
 }
 
-/// Meta key of where the sweeper's walk goes on: the first 8 bytes of the last member it
-/// examined, big-endian (0: from the start). A hint: losing it restarts the walk, and every open
-/// resumes it, so a store opened only for runs shorter than a walk still sweeps the whole set.
-const META_SWEEP_FROM: &str = "keyset_sweep_from";
-
-/// One bounded step of the sweeper's walk through the set: examines up to `max` members after
-/// `cursor` and removes the expired ones. Moves `cursor` to the last member examined, or empties
-/// it when the walk reached the end (the next step starts over). `None` (a new writer) resumes
-/// from the hint in meta, which each step that moves updates (unsynced unless the sweep commits
-/// anyway: a hint needs no fsync of its own). Returns how many went.
+/// One bounded step of the sweeper: removes up to `max` chunks whose expiry has passed, oldest
+/// first (chunks sort by expiry, so there is no walk), and their ids from `members` when the
+/// set is loaded. Returns how many ids and how many chunks went (`max` chunks: more may wait).
 ///
-/// Disk use stays bounded by (new keys per second) x (ttl + one walk of the set); a walk takes
-/// (members / `max`) sweeps, and the sweeper keeps stepping while steps find expired members.
+/// Disk use stays bounded by (new keys per second) x ttl plus one sweep interval. A chunk whose
+/// value is undecodable but whose key says it expired is removed too: nothing in it is live.
 pub(crate) fn sweep_step(
     txn: &mut dyn Txn,
-    cursor: &mut Option<Vec<u8>>,
+    members: Option<&mut Members>,
     now_ms: u64,
     max: usize,
-) -> Result<u64, EngineError> {
-    let walk = match cursor {
-        Some(walk) => walk,
-        None => {
-            let from = txn.meta_get(META_SWEEP_FROM)?.unwrap_or(0);
-            cursor.insert(if from == 0 {
-                Vec::new()
-            } else {
-                from.to_be_bytes().to_vec()
-            })
-        }
-    };
-    let mut members = Vec::new();
-    txn.set_after(walk, max, &mut members)?;
-    let mut removed = 0;
-    for (key, value) in &members {
-        match decode_expiry(value) {
+) -> Result<(u64, usize), EngineError> {
+    let mut page = Vec::new();
+    txn.set_after(&[], max, &mut page)?;
+    let (mut removed_ids, mut removed_chunks) = (0u64, 0usize);
+    let mut members = members;
+    for (key, value) in &page {
+        match chunk_expiry(key) {
             Ok(expires_at_ms) if expires_at_ms <= now_ms => {
+                match decode_chunk(value) {
+                    Ok(chunk) => {
+                        removed_ids += chunk.ids().len() as u64;
+                        if let Some(members) = members.as_deref_mut() {
+                            members.remove_expired(&chunk, expires_at_ms);
+                        }
+                    }
+                    Err(e) => tracing::warn!(
+                        chunk = %hex(key), error = %e.0,
+                        "sweeper removed an expired key-set chunk it could not read"
+                    ),
+                }
                 txn.set_remove(key)?;
-                removed += 1;
+                removed_chunks += 1;
             }
-            Ok(_) => {}
-            // Left for an operator; sweeping it would turn "unreadable" into "absent".
+            Ok(_) => break, // the rest expire later
             Err(e) => {
-                tracing::error!(member = %hex(key), error = %e, "sweeper left an undecodable key-set member")
+                tracing::error!(chunk = %hex(key), error = %e.0, "sweeper left a key-set entry with a foreign key")
             }
         }
     }
-    let next: &[u8] = match members.last() {
-        Some((last, _)) if members.len() == max => last,
-        _ => &[],
-    };
-    if walk.as_slice() != next {
-        walk.clear();
-        walk.extend_from_slice(next);
-        let mut prefix = [0u8; 8];
-        let n = walk.len().min(8);
-        prefix[..n].copy_from_slice(&walk[..n]);
-        txn.meta_put(META_SWEEP_FROM, u64::from_be_bytes(prefix))?;
+    Ok((removed_ids, removed_chunks))
+}
+
+/// Format 3's members (one engine entry per key: 16 id bytes ++ namespace -> version byte ++
+/// u64 big-endian expiry) rewritten as chunks, then removed. Chunks are written before any
+/// member is removed, so a crash part way leaves every key in one form or both, and the next
+/// open (still format 3) migrates again. An undecodable member stops the migration (the store
+/// does not open): its key would otherwise read as absent. Returns how many members moved.
+pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadable>, EngineError> {
+    const MEMBER_ENCODING_V1: u8 = 1;
+    let mut groups: HashMap<(String, u64), Vec<KeyId>> = HashMap::new();
+    let mut old_keys = Vec::new();
+    let mut after = Vec::new();
+    let mut page = Vec::new();
+    loop {
+        page.clear();
+        txn.members_v3_after(&after, 10_000, &mut page)?;
+        for (key, value) in &page {
+            let expires = match value.as_slice() {
+                [MEMBER_ENCODING_V1, rest @ ..] if rest.len() == 8 => {
+                    u64::from_be_bytes(rest.try_into().expect("eight bytes"))
+                }
+                _ => {
+                    return Ok(Err(Unreadable(format!(
+                        "format-3 key-set member {} has an unknown value",
+                        hex(key)
+                    ))))
+                }
+            };
+            let (id, namespace) = match key.split_at_checked(16) {
+                Some((id, ns)) if !ns.is_empty() => (id, ns),
+                _ => {
+                    return Ok(Err(Unreadable(format!(
+                        "format-3 key-set member key {}",
+                        hex(key)
+                    ))))
+                }
+            };
+            let Ok(namespace) = std::str::from_utf8(namespace) else {
+                return Ok(Err(Unreadable(format!(
+                    "format-3 key-set member {} names no namespace",
+                    hex(key)
+                ))));
+            };
+            groups
+                .entry((namespace.to_owned(), expires))
+                .or_default()
+                .push(id.try_into().expect("sixteen bytes"));
+            old_keys.push(key.clone());
+        }
+        match page.last() {
+            Some((last, _)) if page.len() == 10_000 => after = last.clone(),
+            _ => break,
+        }
     }
-    Ok(removed)
+    let mut seq = txn.meta_get(META_CHUNK_SEQ)?.unwrap_or(0);
+    let mut value = Vec::new();
+    for ((namespace, expires), ids) in &groups {
+        for ids in ids.chunks(CHUNK_IDS_MAX) {
+            seq += 1;
+            encode_chunk(namespace, ids, &mut value);
+            txn.set_put(&chunk_key(*expires, seq), &value)?;
+        }
+    }
+    txn.meta_put(META_CHUNK_SEQ, seq)?;
+    for key in &old_keys {
+        txn.members_v3_remove(key)?;
+    }
+    Ok(Ok(old_keys.len() as u64))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -320,22 +562,58 @@ mod tests {
     use super::*;
 
     #[test]
-    fn values_round_trip_and_foreign_bytes_are_refused() {
+    fn chunks_round_trip_and_foreign_bytes_are_refused() {
+        let ids = [[1u8; 16], [2u8; 16], [0xff; 16]];
+        let mut value = Vec::new();
+        encode_chunk("payments", &ids, &mut value);
+        let chunk = decode_chunk(&value).unwrap();
+        assert_eq!(chunk.namespace, "payments");
+        assert_eq!(chunk.ids().collect::<Vec<_>>(), ids);
+        encode_chunk("é", &[], &mut value);
+        assert_eq!(decode_chunk(&value).unwrap().ids().len(), 0);
         for t in [0, 1, 1_700_000_000_000, u64::MAX] {
-            assert_eq!(decode_expiry(&encode_expiry(t)), Ok(t));
+            assert_eq!(chunk_expiry(&chunk_key(t, 7)), Ok(t));
         }
-        assert!(decode_expiry(&[]).is_err());
-        assert!(decode_expiry(&[2, 0, 0, 0, 0, 0, 0, 0, 1]).is_err());
-        assert!(decode_expiry(&[1, 0, 0]).is_err());
+        assert!(chunk_expiry(&[0; 15]).is_err());
+        assert!(decode_chunk(&[]).is_err());
+        assert!(decode_chunk(&[2, 0, 1, b'p']).is_err(), "unknown encoding");
+        assert!(
+            decode_chunk(&[1, 0, 5, b'p']).is_err(),
+            "namespace cut short"
+        );
+        assert!(
+            decode_chunk(&[1, 0, 1, b'p', 9, 9]).is_err(),
+            "a partial id"
+        );
+        assert!(
+            decode_chunk(&[1, 0, 1, 0xff]).is_err(),
+            "namespace not UTF-8"
+        );
     }
 
     #[test]
-    fn member_keys_start_with_the_id_and_separate_namespaces() {
-        let (a, b) = (Namespace::new("a").unwrap(), Namespace::new("ab").unwrap());
-        let (mut ka, mut kb) = (Vec::new(), Vec::new());
-        encode_member(&[7; 16], &a, &mut ka);
-        encode_member(&[7; 16], &b, &mut kb);
-        assert_eq!(&ka[..16], &[7; 16]);
-        assert_ne!(ka, kb);
+    fn chunk_keys_sort_by_expiry_then_sequence() {
+        let keys = [
+            chunk_key(5, 9),
+            chunk_key(6, 1),
+            chunk_key(6, 2),
+            chunk_key(1 << 40, 0),
+        ];
+        assert!(keys.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn members_keep_the_latest_expiry_and_an_expired_chunk_takes_only_its_own() {
+        let mut members = Members::default();
+        let (a, b) = ([1u8; 16], [2u8; 16]);
+        members.add("p", [a, b].into_iter(), 100);
+        members.add("p", [a].into_iter(), 200);
+        assert!(members.holds("p", &a, 150) && !members.holds("p", &b, 150));
+        assert!(!members.holds("q", &a, 0), "namespaces are apart");
+        let mut value = Vec::new();
+        encode_chunk("p", &[a, b], &mut value);
+        members.remove_expired(&decode_chunk(&value).unwrap(), 100);
+        assert!(members.holds("p", &a, 150), "recorded again later: kept");
+        assert_eq!(members.namespaces["p"].len(), 1);
     }
 }

@@ -20,7 +20,7 @@
 //!   `docs/embedded-engine.md`).
 //! - [`codec`]: the versioned entry encoding; corrupt bytes decode to an error, never to "absent".
 //! - [`keyset`]: a set of keys with expiry beside the records ([`EmbeddedStore::key_set`]), for
-//!   `dedup --ledger`: one put per new key instead of a gate record.
+//!   `dedup --ledger`: 16 bytes of a chunk per new key instead of a gate record.
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -47,16 +47,18 @@ pub use error::OpenError;
 pub use keyset::KeySetCall;
 pub use store::{EmbeddedOptions, EmbeddedStore};
 
-/// Format version of the store's layout (tables and encodings). A store of
-/// [`FORMAT_VERSION_MIGRATED`] is migrated when opened; any other version is refused with
-/// [`OpenError::UnknownFormat`], changing nothing. Version 3 added the key set
-/// ([`keyset`]): a build that knows only version 2 would ignore it, so it must refuse the store.
-pub const FORMAT_VERSION: u64 = 3;
-/// The older format this build migrates at open (2: no key set). The migration creates the key
-/// set's empty partition and writes the new version (in the engine's meta, then in the format
-/// file); it rewrites no record, and a crash during it leaves a store that either version
-/// check accepts and the next open finishes migrating.
-pub const FORMAT_VERSION_MIGRATED: u64 = 2;
+/// Format version of the store's layout (tables and encodings). A store of one of
+/// [`FORMATS_MIGRATED`] is migrated when opened; any other version is refused with
+/// [`OpenError::UnknownFormat`], changing nothing. Version 3 added the key set ([`keyset`]), 4
+/// stores it in chunks: a build that knows an older version would ignore the chunks, so it must
+/// refuse the store.
+pub const FORMAT_VERSION: u64 = 4;
+/// The older formats this build migrates at open: 2 (no key set: the migration creates the key
+/// set's empty partition) and 3 (one entry per key-set member: rewritten as chunks). Each
+/// writes the new version in the engine's meta in the same transaction, then in the format
+/// file; a crash during it leaves a store that either version check accepts and the next open
+/// finishes migrating.
+pub const FORMATS_MIGRATED: [u64; 2] = [2, 3];
 /// The engine's directory inside the store directory: the `FORMAT` file and the fjall keyspace.
 pub const ENGINE_DIR_NAME: &str = "engine";
 /// The file in the engine directory that holds [`FORMAT_VERSION`] as text; read before anything

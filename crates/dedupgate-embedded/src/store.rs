@@ -203,8 +203,8 @@ fn write_format_file(engine_dir: &Path) -> std::io::Result<()> {
 }
 
 /// Reads the format file before anything opens the engine, so an unknown format is refused
-/// without a byte changed. Returns the version found: [`crate::FORMAT_VERSION`], or
-/// [`crate::FORMAT_VERSION_MIGRATED`] for a store to migrate.
+/// without a byte changed. Returns the version found: [`crate::FORMAT_VERSION`], or one of
+/// [`crate::FORMATS_MIGRATED`] for a store to migrate.
 fn check_format_file(engine_dir: &Path) -> Result<u64, OpenError> {
     let path = engine_dir.join(FORMAT_FILE_NAME);
     let text = match fs::read_to_string(&path) {
@@ -224,7 +224,7 @@ fn check_format_file(engine_dir: &Path) -> Result<u64, OpenError> {
         Err(e) => return Err(OpenError::io(&path, e)),
     };
     match text.trim().parse::<u64>() {
-        Ok(v) if v == crate::FORMAT_VERSION || v == crate::FORMAT_VERSION_MIGRATED => Ok(v),
+        Ok(v) if v == crate::FORMAT_VERSION || crate::FORMATS_MIGRATED.contains(&v) => Ok(v),
         Ok(found) => Err(OpenError::UnknownFormat {
             path,
             found,
@@ -389,7 +389,7 @@ impl EmbeddedStore {
                     supported: crate::FORMAT_VERSION,
                 })
             }
-            Ok(Err(problem @ FormatProblem::Missing)) => {
+            Ok(Err(problem @ (FormatProblem::Missing | FormatProblem::Unmigratable(_)))) => {
                 return Err(OpenError::Corrupt {
                     path: db_path,
                     detail: problem.to_string(),
@@ -470,7 +470,7 @@ impl EmbeddedStore {
             shared: shared.clone(),
             batch_ops_max: options.batch_ops_max,
             index_seq: 0,
-            keyset_cursor: None,
+            keyset_members: None,
         };
         let writer = std::thread::Builder::new()
             .name("dedupgate-writer".into())

@@ -316,8 +316,9 @@ pub(crate) struct Writer {
     pub batch_ops_max: usize,
     /// Sequence number of the last expiry-index record written.
     pub index_seq: u64,
-    /// Where the sweeper's walk through the key set goes on (see [`keyset::sweep_step`]).
-    pub keyset_cursor: Option<Vec<u8>>,
+    /// The key set's live ids, once a key-set call loaded them (see [`keyset::apply`]);
+    /// dropped by a failed write.
+    pub keyset_members: Option<keyset::Members>,
 }
 
 impl Writer {
@@ -514,8 +515,10 @@ impl Writer {
         let mut answers = Vec::with_capacity(call.check.len());
         let mut unreadable = None;
         let engine = self.engine.as_mut().expect("checked by the caller");
+        let members = &mut self.keyset_members;
         let result = engine.write(&mut |txn: &mut dyn Txn| match keyset::apply(
             txn,
+            members,
             call,
             now_ms,
             &mut answers,
@@ -550,29 +553,28 @@ impl Writer {
         let mut removed = 0u64;
         let mut more = false;
         let mut set_removed = 0u64;
+        let mut set_more = false;
         let engine = self.engine.as_mut().expect("checked by the caller");
-        let saved = &mut self.keyset_cursor;
-        let mut cursor = saved.clone();
+        let members = &mut self.keyset_members;
         let result = engine.write(&mut |txn: &mut dyn Txn| {
             removed = 0;
             set_removed = 0;
             let wrote = sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)?;
-            // What is left of this sweep's budget (the trait's "up to batch_max").
+            // What is left of this sweep's budget (the trait's "up to batch_max"), in chunks.
             let budget = batch_max.saturating_sub(usize::try_from(removed).unwrap_or(usize::MAX));
+            let mut chunks = 0;
             if budget > 0 {
-                set_removed = keyset::sweep_step(txn, &mut cursor, now_ms, budget)?;
+                (set_removed, chunks) = keyset::sweep_step(txn, members.as_mut(), now_ms, budget)?;
+                set_more = chunks == budget;
             }
-            if removed + set_removed > 0 {
+            if removed > 0 || chunks > 0 {
                 // What was swept had expired by now: a key swept here must not be new again
                 // where it was still live.
                 raise_clock_floor(txn, now_ms)?;
             }
-            Ok(wrote || set_removed > 0)
+            Ok(wrote || chunks > 0)
         });
-        *saved = cursor;
-        // The walk goes on at once while it finds expired members and has not wrapped.
-        let more =
-            more || (set_removed > 0 && self.keyset_cursor.as_ref().is_some_and(|c| !c.is_empty()));
+        let more = more || set_more;
         let removed = removed + set_removed;
         match result {
             Ok(()) => {
@@ -649,6 +651,7 @@ impl Writer {
             .unwrap_or_else(|p| p.into_inner()) = e.to_string();
         self.shared.available.store(false, Ordering::Release);
         self.engine = None;
+        self.keyset_members = None;
     }
 
     fn answer_unavailable(&self, r: Request) {
@@ -952,6 +955,8 @@ pub(crate) enum FormatProblem {
     Unknown(u64),
     /// Entries but no version: not a store this build wrote.
     Missing,
+    /// An older format holding something its migration cannot read.
+    Unmigratable(String),
 }
 
 impl std::fmt::Display for FormatProblem {
@@ -959,10 +964,13 @@ impl std::fmt::Display for FormatProblem {
         match self {
             FormatProblem::Unknown(v) => write!(
                 f,
-                "the store has format version {v}; this build reads version {} (and migrates {})",
+                "the store has format version {v}; this build reads version {} (and migrates {:?})",
                 crate::FORMAT_VERSION,
-                crate::FORMAT_VERSION_MIGRATED
+                crate::FORMATS_MIGRATED
             ),
+            FormatProblem::Unmigratable(why) => {
+                write!(f, "the store's format cannot be migrated: {why}")
+            }
             FormatProblem::Missing => {
                 f.write_str("entries exist but the store has no format version")
             }
@@ -970,9 +978,10 @@ impl std::fmt::Display for FormatProblem {
     }
 }
 
-/// Checks (or, on a new store, writes) the format version, migrating
-/// [`crate::FORMAT_VERSION_MIGRATED`] (the engine already opened the key set's partition: only
-/// the version changes). Returns the persisted clock floor.
+/// Checks (or, on a new store, writes) the format version, migrating each of
+/// [`crate::FORMATS_MIGRATED`] in the same transaction as the new version: 2 had no key set (the
+/// engine already opened its partition: only the version changes), 3 kept one entry per key
+/// (rewritten as chunks, [`keyset::migrate_members`]). Returns the persisted clock floor.
 pub(crate) fn check_format(
     engine: &mut dyn Engine,
 ) -> Result<Result<u64, FormatProblem>, EngineError> {
@@ -991,7 +1000,13 @@ pub(crate) fn check_format(
             outcome = Ok(txn.meta_get(META_CLOCK_MS)?.unwrap_or(0));
             Ok(false)
         }
-        Some(v) if v == crate::FORMAT_VERSION_MIGRATED => {
+        Some(v) if crate::FORMATS_MIGRATED.contains(&v) => {
+            if v == 3 {
+                if let Err(e) = keyset::migrate_members(txn)? {
+                    outcome = Err(FormatProblem::Unmigratable(e.0));
+                    return Ok(false);
+                }
+            }
             txn.meta_put(META_FORMAT, crate::FORMAT_VERSION)?;
             outcome = Ok(txn.meta_get(META_CLOCK_MS)?.unwrap_or(0));
             Ok(true)

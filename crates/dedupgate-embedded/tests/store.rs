@@ -884,11 +884,11 @@ async fn a_commit_with_many_waiters_answers_them_only_after_its_sync_and_each_is
 }
 
 /// A store of format 2 (before the key set) is migrated at open: its records stay, the engine
-/// and the format file say 3 afterwards, and the key set works.
+/// and the format file say the current version afterwards, and the key set works.
 #[tokio::test]
 async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
     use dedupgate_core::Namespace;
-    use dedupgate_embedded::{KeySetCall, FORMAT_VERSION, FORMAT_VERSION_MIGRATED};
+    use dedupgate_embedded::{KeySetCall, FORMAT_VERSION};
     let tmp = tempfile::tempdir().unwrap();
     let engine_dir = tmp.path().join(ENGINE_DIR_NAME);
     {
@@ -896,12 +896,7 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
         store.apply(id("kept"), mark_op(json!(7))).await.unwrap();
     }
     // Turn it into what a format-2 build left: version 2 in the engine's meta and the file.
-    raw_put(
-        tmp.path(),
-        "meta",
-        b"format_version",
-        &FORMAT_VERSION_MIGRATED.to_le_bytes(),
-    );
+    raw_put(tmp.path(), "meta", b"format_version", &2u64.to_le_bytes());
     std::fs::write(engine_dir.join("FORMAT"), "2\n").unwrap();
 
     let store = open(tmp.path()).unwrap();
@@ -924,6 +919,129 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
     let file = std::fs::read_to_string(engine_dir.join("FORMAT")).unwrap();
     assert_eq!(file.trim(), FORMAT_VERSION.to_string());
     assert_eq!(raw_meta(tmp.path(), "format_version"), FORMAT_VERSION);
+}
+
+/// Turns a closed store into what a format-3 build left, with `members` (key, value) in that
+/// format's key set (one engine entry per key).
+fn make_format_3(dir: &Path, members: &[(Vec<u8>, Vec<u8>)]) {
+    {
+        let ks = fjall::Config::new(dir.join(ENGINE_DIR_NAME).join("keyspace"))
+            .open()
+            .unwrap();
+        let opts = fjall::PartitionCreateOptions::default;
+        let set = ks.open_partition("keyset", opts()).unwrap();
+        for (key, value) in members {
+            set.insert(key, value).unwrap();
+        }
+        let meta = ks.open_partition("meta", opts()).unwrap();
+        meta.insert("format_version", 3u64.to_le_bytes()).unwrap();
+        ks.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    std::fs::write(dir.join(ENGINE_DIR_NAME).join("FORMAT"), "3\n").unwrap();
+}
+
+/// A format-3 member: 16 id bytes ++ namespace -> version 1 ++ expiry (u64 big-endian ms).
+fn member_v3(id: u32, ns: &str, expires_at_ms: u64) -> (Vec<u8>, Vec<u8>) {
+    let mut key = [0u8; 16];
+    key[..4].copy_from_slice(&id.to_be_bytes());
+    key[4..8].copy_from_slice(&id.wrapping_mul(2_654_435_761).to_le_bytes());
+    let mut value = vec![1u8];
+    value.extend_from_slice(&expires_at_ms.to_be_bytes());
+    ([&key[..], ns.as_bytes()].concat(), value)
+}
+
+fn id_v3(id: u32) -> [u8; 16] {
+    member_v3(id, "", 0).0.try_into().unwrap()
+}
+
+/// A store of format 3 (one key-set entry per key) is migrated at open: every live member is
+/// known afterwards, in its own namespace only, an expired one is not, the records stay, and
+/// no format-3 entry is left.
+#[tokio::test]
+async fn a_format_3_key_set_is_rewritten_as_chunks_at_open() {
+    use dedupgate_core::Namespace;
+    use dedupgate_embedded::{KeySetCall, FORMAT_VERSION};
+    let tmp = tempfile::tempdir().unwrap();
+    {
+        let store = open(tmp.path()).unwrap();
+        store.apply(id("kept"), mark_op(json!(7))).await.unwrap();
+    }
+    let now_ms = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap();
+    // More than one chunk's worth in "p", one expired, one in "q" with another expiry.
+    let mut members: Vec<_> = (0..5_000)
+        .map(|i| member_v3(i, "p", now_ms + DAY_MS))
+        .collect();
+    members.push(member_v3(9_000, "p", now_ms - 1));
+    members.push(member_v3(9_001, "q", now_ms + 2 * DAY_MS));
+    make_format_3(tmp.path(), &members);
+
+    let store = open(tmp.path()).unwrap();
+    let check = |ns: &str, check: Vec<[u8; 16]>| KeySetCall {
+        namespace: Namespace::new(ns).unwrap(),
+        record: Vec::new(),
+        check,
+        record_new: false,
+        gate_keys: Vec::new(),
+        ttl_ms: DAY_MS,
+        forget: Vec::new(),
+    };
+    let live: Vec<_> = (0..5_000).map(id_v3).collect();
+    assert_eq!(
+        store.key_set(check("p", live)).await.unwrap(),
+        vec![false; 5_000]
+    );
+    let others = vec![id_v3(9_000), id_v3(9_001)];
+    assert_eq!(
+        store.key_set(check("p", others.clone())).await.unwrap(),
+        vec![true, true],
+        "expired, and another namespace's"
+    );
+    assert_eq!(
+        store.key_set(check("q", others)).await.unwrap(),
+        vec![true, false]
+    );
+    let record = get(&store, "kept")
+        .await
+        .unwrap()
+        .expect("the record survived");
+    assert_eq!(record.result, Some(json!(7)));
+    drop(store);
+    let ks = fjall::Config::new(tmp.path().join(ENGINE_DIR_NAME).join("keyspace"))
+        .open()
+        .unwrap();
+    let old = ks
+        .open_partition("keyset", fjall::PartitionCreateOptions::default())
+        .unwrap();
+    assert!(old.is_empty().unwrap(), "format 3's members are gone");
+    drop((old, ks));
+    let file = std::fs::read_to_string(tmp.path().join(ENGINE_DIR_NAME).join("FORMAT")).unwrap();
+    assert_eq!(file.trim(), FORMAT_VERSION.to_string());
+    assert_eq!(raw_meta(tmp.path(), "format_version"), FORMAT_VERSION);
+}
+
+/// A format-3 member whose value this build cannot read stops the migration: the store does not
+/// open (Corrupt, naming the member) rather than read that key as absent, and stays format 3.
+#[tokio::test]
+async fn an_unreadable_format_3_member_stops_the_migration() {
+    let tmp = tempfile::tempdir().unwrap();
+    drop(open(tmp.path()).unwrap());
+    let (key, _) = member_v3(1, "p", 0);
+    make_format_3(tmp.path(), &[(key, vec![7, 0, 0])]);
+    match open(tmp.path()) {
+        Err(OpenError::Corrupt { detail, .. }) => {
+            assert!(detail.contains("format-3 key-set member"), "{detail}")
+        }
+        other => panic!("expected Corrupt, got {:?}", other.map(|_| ())),
+    }
+    let file = std::fs::read_to_string(tmp.path().join(ENGINE_DIR_NAME).join("FORMAT")).unwrap();
+    assert_eq!(file.trim(), "3");
+    assert_eq!(raw_meta(tmp.path(), "format_version"), 3);
 }
 
 #[test]
