@@ -87,6 +87,17 @@ pub trait Txn {
         let _ = (after, max, out);
         Ok(())
     }
+    /// Appends to `out` up to `max` key-set chunks whose keys sort before `bound`, smallest
+    /// first (the sweeper: chunks sort by expiry).
+    fn set_before(
+        &mut self,
+        bound: &[u8],
+        max: usize,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        let _ = (bound, max, out);
+        Ok(())
+    }
     /// Like [`Txn::set_after`], over format 3's one-entry-per-key members (read only by the
     /// migration to chunks).
     fn members_v3_after(
@@ -500,6 +511,15 @@ impl Txn for FjallTxn<'_> {
         use std::ops::Bound;
         let range = (Bound::Excluded(after), Bound::Unbounded);
         push_range(self.engine.keyset.range::<&[u8], _>(range), max, out)
+    }
+
+    fn set_before(
+        &mut self,
+        bound: &[u8],
+        max: usize,
+        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> Result<(), EngineError> {
+        push_range(self.engine.keyset.range(..bound), max, out)
     }
 
     fn members_v3_after(

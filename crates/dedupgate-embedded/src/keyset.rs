@@ -201,11 +201,75 @@ impl Hasher for IdHasher {
 
 type IdBuild = BuildHasherDefault<IdHasher>;
 
+/// Tables of one namespace's ids; a power of two.
+const ID_TABLES: usize = 64;
+
+/// One namespace's ids (id -> latest expiry) in [`ID_TABLES`] tables chosen by hash. Each grows
+/// and rehashes on its own, so no step moves millions of entries into a fresh allocation at
+/// once: with one table, its rehashes (and the kernel zeroing their new pages) were a sixth of
+/// a 3M-line ledger run's CPU.
+#[derive(Debug)]
+struct IdTable {
+    tables: Vec<HashMap<KeyId, u64, IdBuild>>,
+}
+
+impl Default for IdTable {
+    fn default() -> Self {
+        Self {
+            tables: (0..ID_TABLES).map(|_| HashMap::default()).collect(),
+        }
+    }
+}
+
+impl IdTable {
+    fn table(&self, id: &KeyId) -> usize {
+        let mut h = IdHasher::default();
+        h.write(id);
+        (h.finish() >> (64 - ID_TABLES.trailing_zeros())) as usize
+    }
+
+    fn get(&self, id: &KeyId) -> Option<u64> {
+        self.tables[self.table(id)].get(id).copied()
+    }
+
+    /// Stores `expires` for `id` unless it already has a later one.
+    fn raise(&mut self, id: KeyId, expires: u64) {
+        let t = self.table(&id);
+        let at = self.tables[t].entry(id).or_insert(expires);
+        *at = (*at).max(expires);
+    }
+
+    fn remove(&mut self, id: &KeyId) {
+        let t = self.table(id);
+        self.tables[t].remove(id);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.tables.iter().map(HashMap::len).sum()
+    }
+}
+
 /// Every id of the set with its latest expiry, per namespace, as the last commit left it. The
 /// writer's alone; dropped whenever a write fails (reloaded from the chunks by the next call).
 #[derive(Debug, Default)]
 pub(crate) struct Members {
-    namespaces: HashMap<String, HashMap<KeyId, u64, IdBuild>>,
+    namespaces: HashMap<String, IdTable>,
+    /// Buffers a call needs, kept between calls: allocating ~300 KiB afresh per call made the
+    /// allocator hand pages back to the kernel and fault them in again.
+    scratch: Scratch,
+}
+
+#[derive(Debug, Default)]
+struct Scratch {
+    /// Keys of the call's `check` seen so far.
+    seen: HashSet<KeyId, IdBuild>,
+    /// Keys of the call's `record`.
+    recorded: HashSet<KeyId, IdBuild>,
+    /// Keys the call stores.
+    ids: Vec<KeyId>,
+    /// A chunk's value.
+    value: Vec<u8>,
 }
 
 impl Members {
@@ -230,10 +294,8 @@ impl Members {
             Some(set) => set,
             None => self.namespaces.entry(namespace.to_owned()).or_default(),
         };
-        set.reserve(ids.len());
         for id in ids {
-            let at = set.entry(id).or_insert(expires);
-            *at = (*at).max(expires);
+            set.raise(id, expires);
         }
     }
 
@@ -242,7 +304,7 @@ impl Members {
         self.namespaces
             .get(namespace)
             .and_then(|set| set.get(id))
-            .is_some_and(|&expires| expires > now_ms)
+            .is_some_and(|expires| expires > now_ms)
     }
 
     /// Forgets the ids of an expired chunk whose latest expiry is the chunk's (a later chunk
@@ -250,7 +312,7 @@ impl Members {
     fn remove_expired(&mut self, chunk: &Chunk<'_>, expires: u64) {
         if let Some(set) = self.namespaces.get_mut(chunk.namespace) {
             for id in chunk.ids() {
-                if set.get(&id) == Some(&expires) {
+                if set.get(&id) == Some(expires) {
                     set.remove(&id);
                 }
             }
@@ -357,12 +419,14 @@ pub(crate) fn apply(
             },
         };
         // Lookups: a repeat within the call, or a key this call records, is not new.
-        let recorded: HashSet<&KeyId, IdBuild> = call.record.iter().collect();
-        let mut seen: HashSet<&KeyId, IdBuild> = HashSet::default();
-        seen.reserve(call.check.len());
+        let mut scratch = std::mem::take(&mut set.scratch);
+        let Scratch { seen, recorded, .. } = &mut scratch;
+        recorded.clear();
+        recorded.extend(call.record.iter().copied());
+        seen.clear();
         let mut key = Vec::new();
         for (i, id) in call.check.iter().enumerate() {
-            if !seen.insert(id) || recorded.contains(id) {
+            if !seen.insert(*id) || recorded.contains(id) {
                 continue;
             }
             answers[i] = forgotten.contains(id) || !set.holds(ns, id, now_ms);
@@ -375,6 +439,7 @@ pub(crate) fn apply(
                 }
             }
         }
+        set.scratch = scratch;
     }
     // Writes, only once every read is done. Forgotten ids leave the loaded set before this
     // call's own records go in.
@@ -392,23 +457,27 @@ pub(crate) fn apply(
             ids.remove(id);
         }
     }
-    let mut new_ids = call.record.clone();
-    if call.record_new {
-        let found_new = call.check.iter().zip(answers.iter()).filter(|(_, &n)| n);
-        new_ids.extend(found_new.map(|(id, _)| *id));
-    }
-    if !new_ids.is_empty() {
+    let found_new = call.check.iter().zip(answers.iter()).filter(|(_, &n)| n);
+    let found_new = found_new
+        .map(|(id, _)| id)
+        .take(if call.record_new { usize::MAX } else { 0 });
+    let mut new_ids = call.record.iter().chain(found_new).peekable();
+    if new_ids.peek().is_some() {
+        let set = members.as_mut().expect("loaded for a call that records");
+        let Scratch { ids, value, .. } = &mut set.scratch;
+        ids.clear();
+        ids.extend(new_ids.copied());
         let expires_at_ms = now_ms.saturating_add(call.ttl_ms);
         let mut seq = txn.meta_get(META_CHUNK_SEQ)?.unwrap_or(0);
-        let mut value = Vec::new();
-        for ids in new_ids.chunks(CHUNK_IDS_MAX) {
+        for part in ids.chunks(CHUNK_IDS_MAX) {
             seq += 1;
-            encode_chunk(ns, ids, &mut value);
-            txn.set_put(&chunk_key(expires_at_ms, seq), &value)?;
+            encode_chunk(ns, part, value);
+            txn.set_put(&chunk_key(expires_at_ms, seq), value)?;
         }
         txn.meta_put(META_CHUNK_SEQ, seq)?;
-        let set = members.as_mut().expect("loaded for a call that records");
-        set.add(ns, new_ids.into_iter(), expires_at_ms);
+        let ids = std::mem::take(&mut set.scratch.ids);
+        set.add(ns, ids.iter().copied(), expires_at_ms);
+        set.scratch.ids = ids;
         wrote = true;
     }
     Ok(Ok(wrote))
@@ -454,8 +523,10 @@ pub(crate) fn sweep_step(
     now_ms: u64,
     max: usize,
 ) -> Result<(u64, usize), EngineError> {
+    // Chunks expired by now sort before the first key of the next millisecond; only those are
+    // read (their values are up to 64 KiB each).
     let mut page = Vec::new();
-    txn.set_after(&[], max, &mut page)?;
+    txn.set_before(&chunk_key(now_ms.saturating_add(1), 0), max, &mut page)?;
     let (mut removed_ids, mut removed_chunks) = (0u64, 0usize);
     let mut members = members;
     for (key, value) in &page {

@@ -107,11 +107,13 @@ pub struct DedupArgs {
               .range(1..=ledger::LEDGER_BATCH_RECORDS_MAX as u64))]
     ledger_batch: usize,
     /// Keys this run remembers in memory beside a ledger (about 36 bytes each): a repeat within
-    /// them is a duplicate without asking the ledger. At least two batches.
-    #[arg(long, default_value_t = ledger::LEDGER_WINDOW_KEYS, value_name = "KEYS",
+    /// them is a duplicate without asking the ledger. At least two batches. Default: 1048576
+    /// for a ledger through a server or a gate store; two batches for an embedded ledger,
+    /// whose key set answers from memory anyway.
+    #[arg(long, value_name = "KEYS",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
               .range(0..=ledger::LEDGER_WINDOW_KEYS_MAX as u64))]
-    ledger_window: usize,
+    ledger_window: Option<usize>,
     /// Write records without a key here (JSON Lines: file, line, reason, record) and go on;
     /// without it the first such record stops the run.
     #[arg(long, value_name = "FILE")]
