@@ -59,14 +59,9 @@ pub trait Txn {
     fn meta_put(&mut self, name: &str, value: u64) -> Result<(), EngineError>;
     /// True when no entry is stored (checked only when a store has no format version).
     fn is_empty(&mut self) -> Result<bool, EngineError>;
-    /// Copies the key-set chunk stored under `key` (see [`crate::keyset`]) into `out`; false
-    /// when there is none. Unlike [`Txn::get`], sees this transaction's own key-set puts.
-    /// An engine without a key set holds an empty one: its reads find nothing, its writes fail.
-    fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
-        let _ = (key, out);
-        Ok(false)
-    }
-    /// Stores a key-set chunk, replacing any.
+    /// Stores a key-set chunk (see [`crate::keyset`]), replacing any. Unlike [`Txn::put`],
+    /// later reads of the key set in the same transaction see it. An engine without a key set
+    /// holds an empty one: its reads find nothing, its writes fail.
     fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
         let _ = (key, value);
         Err(no_key_set())
@@ -484,10 +479,6 @@ impl Txn for FjallTxn<'_> {
         Ok(self.engine.entries.is_empty()?
             && self.engine.keyset.is_empty()?
             && self.engine.members_v3.is_empty()?)
-    }
-
-    fn set_get(&mut self, key: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
-        Ok(copy_found(self.engine.keyset.get(key)?, out))
     }
 
     fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {

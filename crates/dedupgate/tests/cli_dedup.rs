@@ -1323,3 +1323,62 @@ fn an_output_inside_the_ledger_directory_is_refused() {
         String::from_utf8_lossy(&again.stdout)
     );
 }
+
+/// The first number in `text` right before `what`, or 0 when `what` is not there.
+fn count_before(text: &str, what: &str) -> u32 {
+    let Some(at) = text.find(what) else {
+        return 0;
+    };
+    let digits: String = text[..at]
+        .trim_end()
+        .chars()
+        .rev()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.chars().rev().collect::<String>().parse().unwrap()
+}
+
+/// An output that cannot be written (a full disk) stops a ledger run while calls are in flight
+/// (an embedded ledger keeps two). Retriable: nothing was recorded, so the re-run emits every
+/// record. At most once: the run says how many records were recorded and not written, of the
+/// call it was settling and of the calls sent after it, and the re-run emits exactly the others.
+#[test]
+fn an_unwritable_output_records_nothing_retriable_and_counts_what_at_most_once_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, expected, distinct) = repeating(300, 0);
+    let path = write(dir.path(), "r.jsonl", &input);
+    for mode in ["retriable", "at-most-once"] {
+        let (store, ns) = ledger(dir.path());
+        let ns = format!("{ns}-{mode}");
+        let run = |stdout: Stdio| {
+            dg().args(["dedup", "--key-fields", "k", "--ledger-batch", "4"])
+                .args([
+                    "--ledger-mode",
+                    mode,
+                    "--ledger",
+                    &store,
+                    "--namespace",
+                    &ns,
+                ])
+                .arg(&path)
+                .stdout(stdout)
+                .stderr(Stdio::piped())
+                .output()
+                .unwrap()
+        };
+        let full = run(fs::File::create("/dev/full").unwrap().into());
+        assert!(!full.status.success(), "{mode}: a full disk is an error");
+        let message = err(&full);
+        let again = run(Stdio::piped());
+        assert!(again.status.success(), "{mode}: {}", err(&again));
+        if mode == "retriable" {
+            assert!(out(&again) == expected, "retriable: every record again");
+            continue;
+        }
+        let lost = count_before(&message, "recorded records were not written")
+            + count_before(&message, "more records of the calls sent after");
+        assert!(lost > 0, "at most once: the loss is counted: {message}");
+        let emitted = out(&again).lines().count() as u32;
+        assert_eq!(emitted, distinct - lost, "at most once: {message}");
+    }
+}
