@@ -1,6 +1,6 @@
 //! The key set of `dedup --ledger` (`EmbeddedStore::key_set`): both orders, expiry on the
-//! store's clock, namespaces, repeats within a call, what survives a reopen, the sweeper, and
-//! refusals that change nothing.
+//! store's clock, namespaces, repeats within a call, what survives a reopen, the sweeper,
+//! forgetting, undecodable chunks, and refusals that change nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -215,7 +215,7 @@ async fn keys_expire_on_the_stores_clock_and_the_sweeper_removes_them() {
         "one ms before its ttl a key is still known"
     );
     clock.advance(1);
-    // The background sweeper walks the set in steps of 64 and removes the 500 expired keys.
+    // The background sweeper removes the expired chunk, 500 keys, and keeps the live one.
     let mut swept = 0;
     for _ in 0..500 {
         swept = store.stats().await.unwrap().swept_total.unwrap();
@@ -301,10 +301,10 @@ async fn live_gate_records_of_the_namespace_count_as_known_keys() {
     assert!(matches!(store.key_set(c).await, Err(GateError::Invalid(_))));
 }
 
-/// The sweeper's walk resumes where the last open left it: a store opened only for short runs
-/// (each shorter than a walk of the whole set) still sweeps every expired key in the end.
+/// A store opened only for short runs still sweeps every expired key: chunks sort by expiry,
+/// so the sweeper finds the expired ones first however many live keys the set holds.
 #[tokio::test]
-async fn the_sweepers_walk_resumes_across_opens() {
+async fn expired_keys_are_swept_in_short_sessions_behind_many_live_ones() {
     let tmp = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_000_000);
     let open_sweeping = || {
@@ -341,7 +341,7 @@ async fn the_sweepers_walk_resumes_across_opens() {
         store.key_set(c).await.unwrap();
     }
     clock.advance(10);
-    // Short sessions: each sweeps a few steps of 64 members, far fewer than 2,100.
+    // Short sessions: each a few sweeps of at most 64 chunks.
     let mut swept = 0;
     for _ in 0..40 {
         let store = open_sweeping();
@@ -359,4 +359,80 @@ async fn the_sweepers_walk_resumes_across_opens() {
         .await
         .unwrap();
     assert_eq!(answers, vec![false; 5], "live keys kept");
+}
+
+/// A chunk whose value this build cannot read fails every call that needs the set, changing
+/// nothing (which keys it holds is unknown, and must never read as "absent"); once its expiry
+/// has passed, the sweeper removes it (nothing in it is live) and the set works again.
+#[tokio::test]
+async fn an_unreadable_chunk_fails_calls_until_it_expires_and_is_swept() {
+    use dedupgate_core::StoreError;
+    use dedupgate_embedded::keyset::chunk_key;
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let open_sweeping = || {
+        let options = EmbeddedOptions {
+            clock: Some(Arc::new(clock.clone())),
+            sweep_interval_ms: 20,
+            ..EmbeddedOptions::default()
+        };
+        EmbeddedStore::open(tmp.path(), options).unwrap()
+    };
+    {
+        let store = open(tmp.path(), &clock);
+        store
+            .key_set(call("p", vec![], ids(0..10), true))
+            .await
+            .unwrap();
+    }
+    let keyspace = tmp
+        .path()
+        .join(dedupgate_embedded::ENGINE_DIR_NAME)
+        .join("keyspace");
+    let chunks = |keyspace: &std::path::Path| {
+        let ks = fjall::Config::new(keyspace).open().unwrap();
+        let p = ks
+            .open_partition("keyset_chunks", fjall::PartitionCreateOptions::default())
+            .unwrap();
+        (ks, p)
+    };
+    {
+        let (ks, p) = chunks(&keyspace);
+        p.insert(chunk_key(1_000_000 + TTL_MS, u64::MAX), [9u8, 9, 9])
+            .unwrap();
+        ks.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    {
+        let store = open_sweeping();
+        let before = store.commits_total();
+        let err = store
+            .key_set(call("p", vec![], ids(0..20), true))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, GateError::Store(StoreError::Corrupt(_))),
+            "{err:?}"
+        );
+        let mut forget = call("p", vec![], vec![], false);
+        forget.forget = vec![id(0)];
+        assert!(store.key_set(forget).await.is_err(), "forget refuses too");
+        assert_eq!(store.commits_total(), before, "nothing written");
+        clock.advance(TTL_MS);
+        let mut swept = 0;
+        for _ in 0..200 {
+            swept = store.stats().await.unwrap().swept_total.unwrap();
+            if swept >= 10 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(swept, 10, "the readable chunk's keys swept");
+        let answers = store
+            .key_set(call("p", vec![], ids(0..20), true))
+            .await
+            .unwrap();
+        assert_eq!(answers, vec![true; 20]);
+    }
+    let (_ks, p) = chunks(&keyspace);
+    assert_eq!(p.len().unwrap(), 1, "only the last call's chunk is left");
 }
