@@ -973,15 +973,16 @@ fn a_ledger_run_killed_with_sigkill_is_finished_by_its_rerun() {
             .iter()
             .filter(|l| !in_a.contains(l) && !in_b.contains(l))
             .count();
-        // One call in flight and one being written: at most two batches were undecided.
+        // Up to two calls in flight (an embedded ledger's; one for gate records) and one batch
+        // being written: at most three batches were undecided.
         match mode {
             "retriable" => {
                 assert_eq!(neither, 0, "retriable: records lost");
-                assert!(both <= 2 * BATCH, "retriable: {both} records emitted twice");
+                assert!(both <= 3 * BATCH, "retriable: {both} records emitted twice");
             }
             _ => {
                 assert_eq!(both, 0, "at-most-once: records emitted twice");
-                assert!(neither <= 2 * BATCH, "at-most-once: {neither} records lost");
+                assert!(neither <= 3 * BATCH, "at-most-once: {neither} records lost");
             }
         }
         // Order: each run writes in input order.
