@@ -24,7 +24,8 @@
 //! ms) ++ a sequence number (u64 big-endian, from meta), so chunks sort by expiry and the sweeper
 //! removes whole expired chunks from the front, no walk; chunk value = a version byte
 //! ([`CHUNK_ENCODING_V1`]), the namespace's length (u16 big-endian) and bytes, then the ids.
-//! Memory: about 25 bytes per live id while the store has served a key-set call.
+//! Memory: about 40–60 bytes per live id (24 of data, the rest the hash tables' slack) while
+//! the store has served a key-set call.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -225,7 +226,9 @@ impl IdTable {
     fn table(&self, id: &KeyId) -> usize {
         let mut h = IdHasher::default();
         h.write(id);
-        (h.finish() >> (64 - ID_TABLES.trailing_zeros())) as usize
+        // Middle bits: the table's own hashing uses the low bits for the slot and the top seven
+        // as each slot's tag.
+        (h.finish() >> 32) as usize & (ID_TABLES - 1)
     }
 
     fn get(&self, id: &KeyId) -> Option<u64> {
@@ -511,9 +514,22 @@ fn gate_record_holds(
     Ok(Ok(entry.holds(now_ms)))
 }
 
-/// One bounded step of the sweeper: removes up to `max` chunks whose expiry has passed, oldest
-/// first (chunks sort by expiry, so there is no walk), and their ids from `members` when the
-/// set is loaded. Returns how many ids and how many chunks went (`max` chunks: more may wait).
+/// What one step of the sweeper removed from the key set.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Swept {
+    pub ids: u64,
+    pub chunks: usize,
+    /// Whether the step stopped at its budget with expired chunks possibly left.
+    pub more: bool,
+}
+
+/// Chunks the sweeper reads at once (values of up to 64 KiB each).
+const SWEEP_PAGE_CHUNKS: usize = 16;
+
+/// One bounded step of the sweeper: removes whole chunks whose expiry has passed, oldest first
+/// (chunks sort by expiry, so there is no walk), until about `max_ids` ids went (at least one
+/// chunk, which can hold up to [`CHUNK_IDS_MAX`]), and their ids from `members` when the set is
+/// loaded.
 ///
 /// Disk use stays bounded by (new keys per second) x ttl plus one sweep interval. A chunk whose
 /// value is undecodable but whose key says it expired is removed too: nothing in it is live.
@@ -521,107 +537,127 @@ pub(crate) fn sweep_step(
     txn: &mut dyn Txn,
     members: Option<&mut Members>,
     now_ms: u64,
-    max: usize,
-) -> Result<(u64, usize), EngineError> {
+    max_ids: usize,
+) -> Result<Swept, EngineError> {
     // Chunks expired by now sort before the first key of the next millisecond; only those are
-    // read (their values are up to 64 KiB each).
-    let mut page = Vec::new();
-    txn.set_before(&chunk_key(now_ms.saturating_add(1), 0), max, &mut page)?;
-    let (mut removed_ids, mut removed_chunks) = (0u64, 0usize);
+    // read. A removal is seen by the next read of the same transaction.
+    let bound = chunk_key(now_ms.saturating_add(1), 0);
     let mut members = members;
-    for (key, value) in &page {
-        match chunk_expiry(key) {
-            Ok(expires_at_ms) if expires_at_ms <= now_ms => {
-                match decode_chunk(value) {
-                    Ok(chunk) => {
-                        removed_ids += chunk.ids().len() as u64;
-                        if let Some(members) = members.as_deref_mut() {
-                            members.remove_expired(&chunk, expires_at_ms);
-                        }
-                    }
-                    Err(e) => tracing::warn!(
-                        chunk = %hex(key), error = %e.0,
-                        "sweeper removed an expired key-set chunk it could not read"
-                    ),
+    let mut swept = Swept::default();
+    let mut page = Vec::with_capacity(SWEEP_PAGE_CHUNKS);
+    loop {
+        page.clear();
+        txn.set_before(&bound, SWEEP_PAGE_CHUNKS, &mut page)?;
+        let mut removed_here = 0usize;
+        for (key, value) in &page {
+            let expires_at_ms = match chunk_expiry(key) {
+                Ok(expires_at_ms) => expires_at_ms,
+                Err(e) => {
+                    tracing::error!(chunk = %hex(key), error = %e.0, "sweeper left a key-set entry with a foreign key");
+                    continue; // left for an operator
                 }
-                txn.set_remove(key)?;
-                removed_chunks += 1;
+            };
+            match decode_chunk(value) {
+                Ok(chunk) => {
+                    swept.ids += chunk.ids().len() as u64;
+                    if let Some(members) = members.as_deref_mut() {
+                        members.remove_expired(&chunk, expires_at_ms);
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    chunk = %hex(key), error = %e.0,
+                    "sweeper removed an expired key-set chunk it could not read"
+                ),
             }
-            Ok(_) => break, // the rest expire later
-            Err(e) => {
-                tracing::error!(chunk = %hex(key), error = %e.0, "sweeper left a key-set entry with a foreign key")
+            txn.set_remove(key)?;
+            swept.chunks += 1;
+            removed_here += 1;
+            if swept.ids >= max_ids as u64 {
+                swept.more = true;
+                return Ok(swept);
             }
         }
+        // A short page was the last; a page of nothing removable (foreign keys) would repeat.
+        if page.len() < SWEEP_PAGE_CHUNKS || removed_here == 0 {
+            return Ok(swept);
+        }
     }
-    Ok((removed_ids, removed_chunks))
 }
 
 /// Format 3's members (one engine entry per key: 16 id bytes ++ namespace -> version byte ++
-/// u64 big-endian expiry) rewritten as chunks, then removed. Chunks are written before any
-/// member is removed, so a crash part way leaves every key in one form or both, and the next
-/// open (still format 3) migrates again. An undecodable member stops the migration (the store
-/// does not open): its key would otherwise read as absent. Returns how many members moved.
+/// u64 big-endian expiry) rewritten as chunks, then removed, a page at a time (memory stays
+/// bounded however large the set). A first pass reads every member and writes nothing: an
+/// undecodable member stops the migration (the store does not open) before any change, as its
+/// key would otherwise read as absent. In the second, each page's chunks are written before its
+/// members are removed, so a crash part way leaves every key in one form or both, and the next
+/// open (still format 3) migrates the rest. Returns how many members moved.
 pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadable>, EngineError> {
-    const MEMBER_ENCODING_V1: u8 = 1;
-    let mut groups: HashMap<(String, u64), Vec<KeyId>> = HashMap::new();
-    let mut old_keys = Vec::new();
+    const PAGE: usize = 10_000;
+    let mut page = Vec::with_capacity(PAGE);
     let mut after = Vec::new();
-    let mut page = Vec::new();
     loop {
         page.clear();
-        txn.members_v3_after(&after, 10_000, &mut page)?;
+        txn.members_v3_after(&after, PAGE, &mut page)?;
         for (key, value) in &page {
-            let expires = match value.as_slice() {
-                [MEMBER_ENCODING_V1, rest @ ..] if rest.len() == 8 => {
-                    u64::from_be_bytes(rest.try_into().expect("eight bytes"))
-                }
-                _ => {
-                    return Ok(Err(Unreadable(format!(
-                        "format-3 key-set member {} has an unknown value",
-                        hex(key)
-                    ))))
-                }
-            };
-            let (id, namespace) = match key.split_at_checked(16) {
-                Some((id, ns)) if !ns.is_empty() => (id, ns),
-                _ => {
-                    return Ok(Err(Unreadable(format!(
-                        "format-3 key-set member key {}",
-                        hex(key)
-                    ))))
-                }
-            };
-            let Ok(namespace) = std::str::from_utf8(namespace) else {
-                return Ok(Err(Unreadable(format!(
-                    "format-3 key-set member {} names no namespace",
-                    hex(key)
-                ))));
-            };
-            groups
-                .entry((namespace.to_owned(), expires))
-                .or_default()
-                .push(id.try_into().expect("sixteen bytes"));
-            old_keys.push(key.clone());
+            if let Err(e) = decode_member_v3(key, value) {
+                return Ok(Err(e));
+            }
         }
-        match page.last() {
-            Some((last, _)) if page.len() == 10_000 => after = last.clone(),
+        match page.pop() {
+            Some((last, _)) if page.len() + 1 == PAGE => after = last,
             _ => break,
         }
     }
     let mut seq = txn.meta_get(META_CHUNK_SEQ)?.unwrap_or(0);
+    let mut moved = 0u64;
     let mut value = Vec::new();
-    for ((namespace, expires), ids) in &groups {
-        for ids in ids.chunks(CHUNK_IDS_MAX) {
-            seq += 1;
-            encode_chunk(namespace, ids, &mut value);
-            txn.set_put(&chunk_key(*expires, seq), &value)?;
+    loop {
+        // Each page's members are gone once it is done: the next page starts from the front.
+        page.clear();
+        txn.members_v3_after(&[], PAGE, &mut page)?;
+        if page.is_empty() {
+            break;
         }
+        let mut groups: HashMap<(&str, u64), Vec<KeyId>> = HashMap::new();
+        for (key, value) in &page {
+            let (id, namespace, expires) = match decode_member_v3(key, value) {
+                Ok(member) => member,
+                Err(e) => return Ok(Err(e)), // read fine a moment ago: not expected
+            };
+            groups.entry((namespace, expires)).or_default().push(id);
+        }
+        for ((namespace, expires), ids) in &groups {
+            for ids in ids.chunks(CHUNK_IDS_MAX) {
+                seq += 1;
+                encode_chunk(namespace, ids, &mut value);
+                txn.set_put(&chunk_key(*expires, seq), &value)?;
+            }
+        }
+        txn.meta_put(META_CHUNK_SEQ, seq)?;
+        for (key, _) in &page {
+            txn.members_v3_remove(key)?;
+        }
+        moved += page.len() as u64;
     }
-    txn.meta_put(META_CHUNK_SEQ, seq)?;
-    for key in &old_keys {
-        txn.members_v3_remove(key)?;
-    }
-    Ok(Ok(old_keys.len() as u64))
+    Ok(Ok(moved))
+}
+
+/// A format-3 member's id, namespace and expiry.
+fn decode_member_v3<'a>(key: &'a [u8], value: &[u8]) -> Result<(KeyId, &'a str, u64), Unreadable> {
+    const MEMBER_ENCODING_V1: u8 = 1;
+    let bad = |what: &str| Unreadable(format!("format-3 key-set member {}: {what}", hex(key)));
+    let expires = match value {
+        [MEMBER_ENCODING_V1, rest @ ..] if rest.len() == 8 => {
+            u64::from_be_bytes(rest.try_into().expect("eight bytes"))
+        }
+        _ => return Err(bad("unknown value")),
+    };
+    let (id, namespace) = match key.split_at_checked(16) {
+        Some((id, ns)) if !ns.is_empty() => (id, ns),
+        _ => return Err(bad("key too short")),
+    };
+    let namespace = std::str::from_utf8(namespace).map_err(|_| bad("namespace not UTF-8"))?;
+    Ok((id.try_into().expect("sixteen bytes"), namespace, expires))
 }
 
 fn hex(bytes: &[u8]) -> String {

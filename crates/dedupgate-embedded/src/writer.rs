@@ -546,8 +546,8 @@ impl Writer {
         }
     }
 
-    /// Sweeps one bounded batch of records and one bounded step of the key set's walk: how many
-    /// went, and whether more may be waiting.
+    /// Sweeps one bounded batch of records, then expired key-set chunks with what is left of the
+    /// budget: how many went, and whether more may be waiting.
     fn sweep(&mut self, batch_max: usize) -> Result<(u64, bool), StoreError> {
         let now_ms = self.clock.now_ms();
         let mut removed = 0u64;
@@ -560,12 +560,13 @@ impl Writer {
             removed = 0;
             set_removed = 0;
             let wrote = sweep_in(txn, now_ms, batch_max, &mut removed, &mut more)?;
-            // What is left of this sweep's budget (the trait's "up to batch_max"), in chunks.
+            // What is left of this sweep's budget (the trait's "up to batch_max"), in key-set
+            // ids (whole chunks: at least one).
             let budget = batch_max.saturating_sub(usize::try_from(removed).unwrap_or(usize::MAX));
             let mut chunks = 0;
             if budget > 0 {
-                (set_removed, chunks) = keyset::sweep_step(txn, members.as_mut(), now_ms, budget)?;
-                set_more = chunks == budget;
+                let swept = keyset::sweep_step(txn, members.as_mut(), now_ms, budget)?;
+                (set_removed, chunks, set_more) = (swept.ids, swept.chunks, swept.more);
             }
             if removed > 0 || chunks > 0 {
                 // What was swept had expired by now: a key swept here must not be new again

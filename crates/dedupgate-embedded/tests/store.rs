@@ -973,12 +973,13 @@ async fn a_format_3_key_set_is_rewritten_as_chunks_at_open() {
             .as_millis(),
     )
     .unwrap();
-    // More than one chunk's worth in "p", one expired, one in "q" with another expiry.
-    let mut members: Vec<_> = (0..5_000)
+    // More than a migration page (10,000) and a chunk's worth in "p", one expired, one in "q"
+    // with another expiry.
+    let mut members: Vec<_> = (0..12_000)
         .map(|i| member_v3(i, "p", now_ms + DAY_MS))
         .collect();
-    members.push(member_v3(9_000, "p", now_ms - 1));
-    members.push(member_v3(9_001, "q", now_ms + 2 * DAY_MS));
+    members.push(member_v3(20_000, "p", now_ms - 1));
+    members.push(member_v3(20_001, "q", now_ms + 2 * DAY_MS));
     make_format_3(tmp.path(), &members);
 
     let store = open(tmp.path()).unwrap();
@@ -991,12 +992,12 @@ async fn a_format_3_key_set_is_rewritten_as_chunks_at_open() {
         ttl_ms: DAY_MS,
         forget: Vec::new(),
     };
-    let live: Vec<_> = (0..5_000).map(id_v3).collect();
+    let live: Vec<_> = (0..12_000).map(id_v3).collect();
     assert_eq!(
         store.key_set(check("p", live)).await.unwrap(),
-        vec![false; 5_000]
+        vec![false; 12_000]
     );
-    let others = vec![id_v3(9_000), id_v3(9_001)];
+    let others = vec![id_v3(20_000), id_v3(20_001)];
     assert_eq!(
         store.key_set(check("p", others.clone())).await.unwrap(),
         vec![true, true],

@@ -1383,3 +1383,36 @@ fn an_unwritable_output_records_nothing_retriable_and_counts_what_at_most_once_l
         assert_eq!(emitted, distinct - lost, "at most once: {message}");
     }
 }
+
+/// Repeats of older keys do not push a key of a batch still in flight out of the window: with
+/// two calls in flight the store has not recorded the previous batch's keys yet, so only the
+/// window keeps X, sent in one batch, out of the next (found by review: X was emitted twice).
+#[test]
+fn repeats_of_old_keys_do_not_let_a_key_in_flight_through_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut keys: Vec<String> = (1..=11).map(|i| format!("K{i}")).collect();
+    keys.push("X".into());
+    keys.extend(["K1", "K7", "K8", "K9", "K10", "K11", "N1", "X"].map(String::from));
+    let input: String = keys
+        .iter()
+        .map(|k| format!("{{\"k\":\"{k}\"}}\n"))
+        .collect();
+    let path = write(dir.path(), "w.jsonl", &input);
+    for batch in ["2", "3"] {
+        let (store, ns) = ledger(dir.path());
+        let run = dg()
+            .args(["dedup", "--key-fields", "k", "--ledger-batch", batch])
+            .args(["--ledger", &store, "--namespace", &ns])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{}", err(&run));
+        let emitted = out(&run);
+        assert_eq!(
+            emitted.lines().filter(|l| l.contains("\"X\"")).count(),
+            1,
+            "batch {batch}: X once:\n{emitted}"
+        );
+        assert_eq!(emitted.lines().count(), 13, "batch {batch}: {emitted}");
+    }
+}

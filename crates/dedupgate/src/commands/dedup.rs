@@ -55,7 +55,8 @@ pub enum LedgerMode {
     /// recording lets the next run emit those records again (nothing is lost).
     Retriable,
     /// Record (mark), then write: a gate ledger makes one write per new key instead of two,
-    /// but a run that dies between the two loses up to one batch of records for good.
+    /// but a run that dies between the two loses the records of the calls in flight for good
+    /// (up to one batch with gate records, three with an embedded ledger).
     AtMostOnce,
 }
 
@@ -107,9 +108,10 @@ pub struct DedupArgs {
               .range(1..=ledger::LEDGER_BATCH_RECORDS_MAX as u64))]
     ledger_batch: usize,
     /// Keys this run remembers in memory beside a ledger (about 36 bytes each): a repeat within
-    /// them is a duplicate without asking the ledger. At least two batches. Default: 1048576
-    /// for a ledger through a server or a gate store; two batches for an embedded ledger,
-    /// whose key set answers from memory anyway.
+    /// them is a duplicate without asking the ledger. At least four batches (six for an
+    /// embedded ledger, which keeps two calls in flight). Default: 1048576 for a ledger through
+    /// a server or a gate store; the least for an embedded ledger, whose key set answers from
+    /// memory anyway.
     #[arg(long, value_name = "KEYS",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
               .range(0..=ledger::LEDGER_WINDOW_KEYS_MAX as u64))]

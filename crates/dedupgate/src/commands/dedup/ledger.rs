@@ -55,9 +55,11 @@ pub const LEDGER_WINDOW_KEYS_MAX: usize = 1 << 30;
 /// may emit them.
 pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
 
-/// The keys (128-bit digest prefixes) this run saw most recently, in two generations of
-/// `generation` keys each: a key stays at least `generation` first sightings after its last
-/// one, and memory is bounded whatever the input size.
+/// The keys (128-bit digest prefixes) this run let through to the ledger most recently, in two
+/// generations of `generation` keys each: a key stays for at least `generation` first
+/// sightings after its own, and memory is bounded whatever the input size. Only first
+/// sightings fill a generation (a repeat is not moved forward): the guarantee is counted in
+/// keys sent to the ledger, which is what keeps a key of a batch in flight out of the next.
 pub struct Window {
     current: HashSet<u128, Prehashed>,
     previous: HashSet<u128, Prehashed>,
@@ -77,19 +79,18 @@ impl Window {
         }
     }
 
-    /// True when `key` is not in the window (a first sighting as far as it knows); either way
-    /// it is in the current generation afterwards.
+    /// True when `key` is not in the window (a first sighting as far as it knows); it is in
+    /// the current generation afterwards.
     pub fn first_sighting(&mut self, key: u128) -> bool {
-        if self.current.contains(&key) {
+        if self.current.contains(&key) || self.previous.contains(&key) {
             return false;
         }
-        let known = self.previous.contains(&key);
         if self.current.len() >= self.generation {
             std::mem::swap(&mut self.current, &mut self.previous);
             self.current.clear();
         }
         self.current.insert(key);
-        !known
+        true
     }
 }
 
@@ -229,8 +230,9 @@ impl<'a> Ledger<'a> {
             batch_records,
             // Keys of the batches in flight and the one being built must be distinct (a second
             // claim by the same owner would be answered "new" again; a key set records a key
-            // only in the call after the one that found it new), so the window, whose newer
-            // generation alone keeps `window / 2` keys, holds twice that many batches. An
+            // only `depth` calls after the one that found it new), so the window, which keeps a
+            // key for at least `window / 2` later first sightings, holds twice that many
+            // batches. An
             // embedded key set answers from memory, so a larger window only costs this thread
             // cache misses (a 1M-key window made a 10M-line run 30% slower).
             window: Window::new(window_keys.max(2 * (depth + 1) * batch_records)),
@@ -298,6 +300,10 @@ impl<'a> Ledger<'a> {
         batch.clear();
         std::mem::swap(&mut batch, &mut self.batch);
         let (ns, ttl_ms) = (self.namespace.clone(), self.ttl_ms);
+        // Calls reach the store in the order they were sent (one runtime worker takes spawned
+        // tasks first in, first out, and the store's queue is first come, first served);
+        // correctness does not rest on it: the window keeps every key of the unsettled
+        // batches out of the others.
         self.in_flight.push_back(match &self.sink {
             Sink::Gate { backend, write } => {
                 let sent = Sent {
@@ -353,17 +359,29 @@ impl<'a> Ledger<'a> {
         let Err(e) = self.settle_one(counts, out) else {
             return Ok(());
         };
-        let mut recorded_unwritten = 0u64;
+        let (mut recorded_unwritten, mut written_unrecorded) = (0u64, 0u64);
         while let Some(handle) = self.in_flight.pop_front() {
-            if let Ok((_, Ok(answers))) = self.rt.block_on(handle) {
-                let new = answers.fresh.iter();
-                recorded_unwritten += new.filter(|a| matches!(a, Ok(Fresh::New(_)))).count() as u64;
+            match self.rt.block_on(handle) {
+                Ok((_, Ok(answers))) => {
+                    let new = answers.fresh.iter();
+                    recorded_unwritten +=
+                        new.filter(|a| matches!(a, Ok(Fresh::New(_)))).count() as u64;
+                }
+                // A written batch this call was to record goes unrecorded too.
+                Ok((sent, Err(_))) => written_unrecorded += sent.recorded as u64,
+                Err(_) => {}
             }
         }
         if self.mode == LedgerMode::AtMostOnce && recorded_unwritten > 0 {
             return Err(e.context(format!(
                 "at-most-once ledger: {recorded_unwritten} more records of the calls sent after \
                  it were recorded and not written"
+            )));
+        }
+        if written_unrecorded > 0 {
+            return Err(e.context(format!(
+                "{written_unrecorded} more written records were not recorded by the calls sent \
+                 after it; the next run will emit them again"
             )));
         }
         Err(e)
