@@ -6,6 +6,7 @@
 //! comparison in `benches/claims.rs` runs redb, SQLite and fjall under the very same writer. The
 //! store ships with [`FjallEngine`] (see `docs/embedded-engine.md` for why and how).
 
+use std::ops::Bound;
 use std::path::{Path, PathBuf};
 
 /// Why an engine call failed. Any of these inside a write makes the store fail closed.
@@ -67,48 +68,32 @@ pub trait Txn {
         Err(no_key_set())
     }
     /// Removes a key-set chunk, if any.
-    fn set_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
-        let _ = key;
+    /// Removes an entry of a key-set table, if any.
+    fn set_remove(&mut self, table: SetTable, key: &[u8]) -> Result<(), EngineError> {
+        let _ = (table, key);
         Err(no_key_set())
     }
-    /// Appends to `out` up to `max` key-set chunks whose keys sort after `after`, smallest
-    /// first.
-    fn set_after(
+    /// Appends to `out` up to `max` entries of a key-set table whose keys lie in `range`,
+    /// smallest first.
+    fn set_scan(
         &mut self,
-        after: &[u8],
+        table: SetTable,
+        range: (Bound<&[u8]>, Bound<&[u8]>),
         max: usize,
         out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
-        let _ = (after, max, out);
+        let _ = (table, range, max, out);
         Ok(())
     }
-    /// Appends to `out` up to `max` key-set chunks whose keys sort before `bound`, smallest
-    /// first (the sweeper: chunks sort by expiry).
-    fn set_before(
-        &mut self,
-        bound: &[u8],
-        max: usize,
-        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
-    ) -> Result<(), EngineError> {
-        let _ = (bound, max, out);
-        Ok(())
-    }
-    /// Like [`Txn::set_after`], over format 3's one-entry-per-key members (read only by the
-    /// migration to chunks).
-    fn members_v3_after(
-        &mut self,
-        after: &[u8],
-        max: usize,
-        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
-    ) -> Result<(), EngineError> {
-        let _ = (after, max, out);
-        Ok(())
-    }
-    /// Removes one of format 3's members (the migration, once its chunk is written).
-    fn members_v3_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
-        let _ = key;
-        Err(no_key_set())
-    }
+}
+
+/// The key set's tables (see [`crate::keyset`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetTable {
+    /// The chunks of format 4.
+    Chunks,
+    /// Format 3's one entry per key, read and emptied only by the migration to chunks.
+    MembersV3,
 }
 
 /// What an engine without a key set answers (the comparison engines of the benchmarks).
@@ -228,6 +213,13 @@ impl FjallEngine {
     /// its journal after a crash, with the default block cache.
     pub fn open(path: &Path) -> Result<Self, EngineError> {
         Self::open_with_cache(path, CACHE_BYTES_DEFAULT)
+    }
+
+    fn set_table(&self, table: SetTable) -> &fjall::PartitionHandle {
+        match table {
+            SetTable::Chunks => &self.keyset,
+            SetTable::MembersV3 => &self.members_v3,
+        }
     }
 
     /// Every partition, for what touches them all (memtable rotation, flush waits).
@@ -487,47 +479,24 @@ impl Txn for FjallTxn<'_> {
         Ok(())
     }
 
-    fn set_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
+    fn set_remove(&mut self, table: SetTable, key: &[u8]) -> Result<(), EngineError> {
         self.wrote = true;
-        self.engine.keyset.remove(key)?;
+        self.engine.set_table(table).remove(key)?;
         Ok(())
     }
 
-    fn set_after(
+    fn set_scan(
         &mut self,
-        after: &[u8],
+        table: SetTable,
+        range: (Bound<&[u8]>, Bound<&[u8]>),
         max: usize,
         out: &mut Vec<(Vec<u8>, Vec<u8>)>,
     ) -> Result<(), EngineError> {
-        use std::ops::Bound;
-        let range = (Bound::Excluded(after), Bound::Unbounded);
-        push_range(self.engine.keyset.range::<&[u8], _>(range), max, out)
-    }
-
-    fn set_before(
-        &mut self,
-        bound: &[u8],
-        max: usize,
-        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
-    ) -> Result<(), EngineError> {
-        push_range(self.engine.keyset.range(..bound), max, out)
-    }
-
-    fn members_v3_after(
-        &mut self,
-        after: &[u8],
-        max: usize,
-        out: &mut Vec<(Vec<u8>, Vec<u8>)>,
-    ) -> Result<(), EngineError> {
-        use std::ops::Bound;
-        let range = (Bound::Excluded(after), Bound::Unbounded);
-        push_range(self.engine.members_v3.range::<&[u8], _>(range), max, out)
-    }
-
-    fn members_v3_remove(&mut self, key: &[u8]) -> Result<(), EngineError> {
-        self.wrote = true;
-        self.engine.members_v3.remove(key)?;
-        Ok(())
+        push_range(
+            self.engine.set_table(table).range::<&[u8], _>(range),
+            max,
+            out,
+        )
     }
 }
 

@@ -34,7 +34,8 @@ use dedupgate_core::op::DURATION_MS_MAX;
 use dedupgate_core::{GateError, InvalidInput, Namespace, RecordId};
 
 use crate::codec::{decode_entry, encode_id, DecodeError};
-use crate::engine::{EngineError, Txn};
+use crate::engine::{EngineError, SetTable, Txn};
+use std::ops::Bound;
 
 /// Bytes that name a key in the set: the caller's digest of the key (a SHA-256 prefix).
 pub type KeyId = [u8; 16];
@@ -280,15 +281,20 @@ impl Members {
     /// unknown, and "unreadable" must never read as "absent".
     fn load(txn: &mut dyn Txn, now_ms: u64) -> Result<Result<Members, Unreadable>, EngineError> {
         let mut members = Members::default();
-        let found = scan_chunks(txn, &mut |key, value| {
-            let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
-            if expires_at_ms <= now_ms {
-                return Ok(()); // the sweeper's
-            }
-            let chunk = decode_chunk(value).map_err(|e| unreadable(key, e))?;
-            members.add(chunk.namespace, chunk.ids(), expires_at_ms);
-            Ok(())
-        })?;
+        let found = scan(
+            txn,
+            SetTable::Chunks,
+            SCAN_PAGE_CHUNKS,
+            &mut |key, value| {
+                let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
+                if expires_at_ms <= now_ms {
+                    return Ok(()); // the sweeper's
+                }
+                let chunk = decode_chunk(value).map_err(|e| unreadable(key, e))?;
+                members.add(chunk.namespace, chunk.ids(), expires_at_ms);
+                Ok(())
+            },
+        )?;
         Ok(found.map(|()| members))
     }
 
@@ -331,27 +337,34 @@ fn unreadable(key: &[u8], e: DecodeError) -> Unreadable {
     Unreadable(format!("key-set chunk {}: {}", hex(key), e.0))
 }
 
-/// What [`scan_chunks`] calls with each chunk's key and value.
-type ChunkVisitor<'a> = dyn FnMut(&[u8], &[u8]) -> Result<(), Unreadable> + 'a;
+/// What [`scan`] calls with each entry's key and value.
+type EntryVisitor<'a> = dyn FnMut(&[u8], &[u8]) -> Result<(), Unreadable> + 'a;
 
-/// Calls `each` with every chunk (key, value) in key order, a page at a time; stops at the
-/// first `Err` it returns.
-fn scan_chunks(
+/// Calls `each` with every entry of `table` (key, value) in key order, `page` at a time; stops
+/// at the first `Err` it returns.
+fn scan(
     txn: &mut dyn Txn,
-    each: &mut ChunkVisitor<'_>,
+    table: SetTable,
+    page_len: usize,
+    each: &mut EntryVisitor<'_>,
 ) -> Result<Result<(), Unreadable>, EngineError> {
     let mut after = Vec::new();
-    let mut page = Vec::with_capacity(SCAN_PAGE_CHUNKS);
+    let mut page = Vec::with_capacity(page_len);
     loop {
         page.clear();
-        txn.set_after(&after, SCAN_PAGE_CHUNKS, &mut page)?;
+        let from = if after.is_empty() {
+            Bound::Unbounded
+        } else {
+            Bound::Excluded(&after[..])
+        };
+        txn.set_scan(table, (from, Bound::Unbounded), page_len, &mut page)?;
         for (key, value) in &page {
             if let Err(e) = each(key, value) {
                 return Ok(Err(e));
             }
         }
         match page.pop() {
-            Some((last, _)) if page.len() + 1 == SCAN_PAGE_CHUNKS => after = last,
+            Some((last, _)) if page.len() + 1 == page_len => after = last,
             _ => return Ok(Ok(())),
         }
     }
@@ -379,36 +392,41 @@ pub(crate) fn apply(
     let mut rewrites: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
     if !forgotten.is_empty() {
         let forget_answers = &mut answers[call.check.len()..];
-        let found = scan_chunks(txn, &mut |key, value| {
-            let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
-            let chunk = match decode_chunk(value) {
-                Ok(chunk) => chunk,
-                // An expired chunk holds nothing live: the sweeper removes it, readable or not.
-                Err(_) if expires_at_ms <= now_ms => return Ok(()),
-                Err(e) => return Err(unreadable(key, e)),
-            };
-            if chunk.namespace != ns || !chunk.ids().any(|id| forgotten.contains(&id)) {
-                return Ok(());
-            }
-            let mut kept = Vec::with_capacity(chunk.ids().len());
-            for id in chunk.ids() {
-                if forgotten.contains(&id) {
-                    if expires_at_ms > now_ms {
-                        for (i, f) in call.forget.iter().enumerate() {
-                            forget_answers[i] |= *f == id;
-                        }
-                    }
-                } else {
-                    kept.push(id);
+        let found = scan(
+            txn,
+            SetTable::Chunks,
+            SCAN_PAGE_CHUNKS,
+            &mut |key, value| {
+                let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
+                let chunk = match decode_chunk(value) {
+                    Ok(chunk) => chunk,
+                    // An expired chunk holds nothing live: the sweeper removes it, readable or not.
+                    Err(_) if expires_at_ms <= now_ms => return Ok(()),
+                    Err(e) => return Err(unreadable(key, e)),
+                };
+                if chunk.namespace != ns || !chunk.ids().any(|id| forgotten.contains(&id)) {
+                    return Ok(());
                 }
-            }
-            let mut value = Vec::new();
-            if !kept.is_empty() {
-                encode_chunk(ns, &kept, &mut value);
-            }
-            rewrites.push((key.to_vec(), value));
-            Ok(())
-        })?;
+                let mut kept = Vec::with_capacity(chunk.ids().len());
+                for id in chunk.ids() {
+                    if forgotten.contains(&id) {
+                        if expires_at_ms > now_ms {
+                            for (i, f) in call.forget.iter().enumerate() {
+                                forget_answers[i] |= *f == id;
+                            }
+                        }
+                    } else {
+                        kept.push(id);
+                    }
+                }
+                let mut value = Vec::new();
+                if !kept.is_empty() {
+                    encode_chunk(ns, &kept, &mut value);
+                }
+                rewrites.push((key.to_vec(), value));
+                Ok(())
+            },
+        )?;
         if let Err(e) = found {
             return Ok(Err(e));
         }
@@ -449,7 +467,7 @@ pub(crate) fn apply(
     let mut wrote = false;
     for (key, value) in &rewrites {
         if value.is_empty() {
-            txn.set_remove(key)?;
+            txn.set_remove(SetTable::Chunks, key)?;
         } else {
             txn.set_put(key, value)?;
         }
@@ -547,7 +565,8 @@ pub(crate) fn sweep_step(
     let mut page = Vec::with_capacity(SWEEP_PAGE_CHUNKS);
     loop {
         page.clear();
-        txn.set_before(&bound, SWEEP_PAGE_CHUNKS, &mut page)?;
+        let range = (Bound::Unbounded, Bound::Excluded(&bound[..]));
+        txn.set_scan(SetTable::Chunks, range, SWEEP_PAGE_CHUNKS, &mut page)?;
         let mut removed_here = 0usize;
         for (key, value) in &page {
             let expires_at_ms = match chunk_expiry(key) {
@@ -569,7 +588,7 @@ pub(crate) fn sweep_step(
                     "sweeper removed an expired key-set chunk it could not read"
                 ),
             }
-            txn.set_remove(key)?;
+            txn.set_remove(SetTable::Chunks, key)?;
             swept.chunks += 1;
             removed_here += 1;
             if swept.ids >= max_ids as u64 {
@@ -593,28 +612,21 @@ pub(crate) fn sweep_step(
 /// open (still format 3) migrates the rest. Returns how many members moved.
 pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadable>, EngineError> {
     const PAGE: usize = 10_000;
-    let mut page = Vec::with_capacity(PAGE);
-    let mut after = Vec::new();
-    loop {
-        page.clear();
-        txn.members_v3_after(&after, PAGE, &mut page)?;
-        for (key, value) in &page {
-            if let Err(e) = decode_member_v3(key, value) {
-                return Ok(Err(e));
-            }
-        }
-        match page.pop() {
-            Some((last, _)) if page.len() + 1 == PAGE => after = last,
-            _ => break,
-        }
+    let checked = scan(txn, SetTable::MembersV3, PAGE, &mut |key, value| {
+        decode_member_v3(key, value).map(drop)
+    })?;
+    if let Err(e) = checked {
+        return Ok(Err(e));
     }
+    let mut page = Vec::with_capacity(PAGE);
     let mut seq = txn.meta_get(META_CHUNK_SEQ)?.unwrap_or(0);
     let mut moved = 0u64;
     let mut value = Vec::new();
     loop {
         // Each page's members are gone once it is done: the next page starts from the front.
         page.clear();
-        txn.members_v3_after(&[], PAGE, &mut page)?;
+        let all = (Bound::Unbounded, Bound::Unbounded);
+        txn.set_scan(SetTable::MembersV3, all, PAGE, &mut page)?;
         if page.is_empty() {
             break;
         }
@@ -635,7 +647,7 @@ pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadabl
         }
         txn.meta_put(META_CHUNK_SEQ, seq)?;
         for (key, _) in &page {
-            txn.members_v3_remove(key)?;
+            txn.set_remove(SetTable::MembersV3, key)?;
         }
         moved += page.len() as u64;
     }
