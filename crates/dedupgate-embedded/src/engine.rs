@@ -60,14 +60,24 @@ pub trait Txn {
     fn meta_put(&mut self, name: &str, value: u64) -> Result<(), EngineError>;
     /// True when no entry is stored (checked only when a store has no format version).
     fn is_empty(&mut self) -> Result<bool, EngineError>;
-    /// Stores a key-set chunk (see [`crate::keyset`]), replacing any. Unlike [`Txn::put`],
-    /// later reads of the key set in the same transaction see it. An engine without a key set
-    /// holds an empty one: its reads find nothing, its writes fail.
-    fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
-        let _ = (key, value);
+    /// Stores an entry of a key-set table (see [`crate::keyset`]), replacing any. Unlike
+    /// [`Txn::put`], later reads of the key set in the same transaction see it. An engine
+    /// without a key set holds an empty one: its reads find nothing, its writes fail.
+    fn set_put(&mut self, table: SetTable, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
+        let _ = (table, key, value);
         Err(no_key_set())
     }
-    /// Removes a key-set chunk, if any.
+    /// Copies the entry of a key-set table stored under `key` into `out`; false when there is
+    /// none.
+    fn set_get(
+        &mut self,
+        table: SetTable,
+        key: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<bool, EngineError> {
+        let _ = (table, key, out);
+        Ok(false)
+    }
     /// Removes an entry of a key-set table, if any.
     fn set_remove(&mut self, table: SetTable, key: &[u8]) -> Result<(), EngineError> {
         let _ = (table, key);
@@ -92,8 +102,10 @@ pub trait Txn {
 pub enum SetTable {
     /// The chunks of format 4.
     Chunks,
-    /// Format 3's one entry per key, read and emptied only by the migration to chunks.
-    MembersV3,
+    /// One entry per key (`16 id bytes ++ namespace` → version byte ++ expiry): in format 3 the
+    /// whole set (emptied by the migration to chunks); in format 4 the ids of the chunks
+    /// spilled out of the writer's memory.
+    Index,
 }
 
 /// What an engine without a key set answers (the comparison engines of the benchmarks).
@@ -184,9 +196,8 @@ pub struct FjallEngine {
     meta: fjall::PartitionHandle,
     /// The key set of `dedup --ledger` (see [`crate::keyset`]), in chunks.
     keyset: fjall::PartitionHandle,
-    /// Format 3's key set, one entry per key: emptied by the migration to format 4, kept so
-    /// a store migrated part way can finish.
-    members_v3: fjall::PartitionHandle,
+    /// The key set's per-key index ([`SetTable::Index`]).
+    keyset_index: fjall::PartitionHandle,
     path: PathBuf,
     /// The write transaction's buffered entry puts, kept for the next one.
     puts: PutBuffer,
@@ -218,7 +229,7 @@ impl FjallEngine {
     fn set_table(&self, table: SetTable) -> &fjall::PartitionHandle {
         match table {
             SetTable::Chunks => &self.keyset,
-            SetTable::MembersV3 => &self.members_v3,
+            SetTable::Index => &self.keyset_index,
         }
     }
 
@@ -229,7 +240,7 @@ impl FjallEngine {
             &self.expiry,
             &self.meta,
             &self.keyset,
-            &self.members_v3,
+            &self.keyset_index,
         ]
     }
 
@@ -263,14 +274,14 @@ impl FjallEngine {
         let expiry = keyspace.open_partition("expiry", opts())?;
         let meta = keyspace.open_partition("meta", opts())?;
         let keyset = keyspace.open_partition("keyset_chunks", opts())?;
-        let members_v3 = keyspace.open_partition("keyset", opts())?;
+        let keyset_index = keyspace.open_partition("keyset", opts())?;
         Ok(Self {
             keyspace,
             entries,
             expiry,
             meta,
             keyset,
-            members_v3,
+            keyset_index,
             path: path.to_owned(),
             puts: PutBuffer::default(),
             last: PutBuffer::default(),
@@ -470,13 +481,22 @@ impl Txn for FjallTxn<'_> {
         self.flush()?;
         Ok(self.engine.entries.is_empty()?
             && self.engine.keyset.is_empty()?
-            && self.engine.members_v3.is_empty()?)
+            && self.engine.keyset_index.is_empty()?)
     }
 
-    fn set_put(&mut self, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
+    fn set_put(&mut self, table: SetTable, key: &[u8], value: &[u8]) -> Result<(), EngineError> {
         self.wrote = true;
-        self.engine.keyset.insert(key, value)?;
+        self.engine.set_table(table).insert(key, value)?;
         Ok(())
+    }
+
+    fn set_get(
+        &mut self,
+        table: SetTable,
+        key: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<bool, EngineError> {
+        Ok(copy_found(self.engine.set_table(table).get(key)?, out))
     }
 
     fn set_remove(&mut self, table: SetTable, key: &[u8]) -> Result<(), EngineError> {

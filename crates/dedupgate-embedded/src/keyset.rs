@@ -25,7 +25,9 @@
 //! removes whole expired chunks from the front, no walk; chunk value = a version byte
 //! ([`CHUNK_ENCODING_V1`]), the namespace's length (u16 big-endian) and bytes, then the ids.
 //! Memory: about 40–60 bytes per live id (24 of data, the rest the hash tables' slack) while
-//! the store has served a key-set call.
+//! the store has served a key-set call, up to [`crate::EmbeddedOptions::key_set_memory_ids`];
+//! past it the ids of the chunks that expire first move to a per-key index on disk
+//! ([`SetTable::Index`], format 3's member encoding), see [`Members::spill`].
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -45,6 +47,10 @@ pub const CHUNK_ENCODING_V1: u8 = 1;
 
 /// Most ids in one chunk (64 KiB of ids): a call that records more writes several.
 pub const CHUNK_IDS_MAX: usize = 4_096;
+
+/// Most ids the writer holds in memory unless [`crate::EmbeddedOptions::key_set_memory_ids`]
+/// says otherwise (2^23: about 0.5 GB at most).
+pub const MEMORY_IDS_DEFAULT: usize = 1 << 23;
 
 /// Meta key of the last chunk sequence number used.
 const META_CHUNK_SEQ: &str = "keyset_chunk_seq";
@@ -236,16 +242,25 @@ impl IdTable {
         self.tables[self.table(id)].get(id).copied()
     }
 
-    /// Stores `expires` for `id` unless it already has a later one.
-    fn raise(&mut self, id: KeyId, expires: u64) {
+    /// Stores `expires` for `id` unless it already has a later one; true when `id` is new here.
+    fn raise(&mut self, id: KeyId, expires: u64) -> bool {
         let t = self.table(&id);
-        let at = self.tables[t].entry(id).or_insert(expires);
-        *at = (*at).max(expires);
+        match self.tables[t].entry(id) {
+            std::collections::hash_map::Entry::Occupied(mut at) => {
+                *at.get_mut() = (*at.get()).max(expires);
+                false
+            }
+            std::collections::hash_map::Entry::Vacant(at) => {
+                at.insert(expires);
+                true
+            }
+        }
     }
 
-    fn remove(&mut self, id: &KeyId) {
+    /// True when `id` was here.
+    fn remove(&mut self, id: &KeyId) -> bool {
         let t = self.table(id);
-        self.tables[t].remove(id);
+        self.tables[t].remove(id).is_some()
     }
 
     #[cfg(test)]
@@ -254,11 +269,20 @@ impl IdTable {
     }
 }
 
-/// Every id of the set with its latest expiry, per namespace, as the last commit left it. The
-/// writer's alone; dropped whenever a write fails (reloaded from the chunks by the next call).
+/// Every id of the set's chunks after [`Members::spilled_to`] with its latest expiry, per
+/// namespace, as the last commit left it; the ids of the chunks up to it are in the per-key
+/// index ([`SetTable::Index`]). The writer's alone; dropped whenever a write fails (reloaded
+/// from the chunks by the next call).
 #[derive(Debug, Default)]
 pub(crate) struct Members {
     namespaces: HashMap<String, IdTable>,
+    /// Ids held, over all namespaces.
+    held: usize,
+    /// Chunks whose keys sort up to this one (empty: none) have their ids in the index instead
+    /// (persisted in meta as [`META_SPILLED_EXPIRY`] and [`META_SPILLED_SEQ`]).
+    spilled_to: Vec<u8>,
+    /// Whether the index may hold ids (then an id not held here is looked up there).
+    index_in_use: bool,
     /// Buffers a call needs, kept between calls: allocating ~300 KiB afresh per call made the
     /// allocator hand pages back to the kernel and fault them in again.
     scratch: Scratch,
@@ -277,13 +301,27 @@ struct Scratch {
 }
 
 impl Members {
-    /// Reads every unexpired chunk. An undecodable one stops the load: the keys it holds are
-    /// unknown, and "unreadable" must never read as "absent".
+    /// Reads every unexpired chunk after the spill mark. An undecodable one stops the load: the
+    /// keys it holds are unknown, and "unreadable" must never read as "absent". Holds more than
+    /// the memory limit until the call's writes spill the excess ([`Members::spill`]).
     fn load(txn: &mut dyn Txn, now_ms: u64) -> Result<Result<Members, Unreadable>, EngineError> {
-        let mut members = Members::default();
-        let found = scan(
+        let mut members = Members {
+            spilled_to: spill_mark(txn)?,
+            ..Members::default()
+        };
+        let mut index_probe = Vec::new();
+        txn.set_scan(
+            SetTable::Index,
+            (Bound::Unbounded, Bound::Unbounded),
+            1,
+            &mut index_probe,
+        )?;
+        members.index_in_use = !members.spilled_to.is_empty() || !index_probe.is_empty();
+        let after = members.spilled_to.clone();
+        let found = scan_from(
             txn,
             SetTable::Chunks,
+            after,
             SCAN_PAGE_CHUNKS,
             &mut |key, value| {
                 let expires_at_ms = chunk_expiry(key).map_err(|e| unreadable(key, e))?;
@@ -304,8 +342,85 @@ impl Members {
             None => self.namespaces.entry(namespace.to_owned()).or_default(),
         };
         for id in ids {
-            set.raise(id, expires);
+            self.held += usize::from(set.raise(id, expires));
         }
+    }
+
+    fn remove(&mut self, namespace: &str, id: &KeyId) {
+        if let Some(set) = self.namespaces.get_mut(namespace) {
+            self.held -= usize::from(set.remove(id));
+        }
+    }
+
+    /// Whether `id` is known and unexpired at `now_ms`: held here, or else in the index.
+    fn knows(
+        &self,
+        txn: &mut dyn Txn,
+        namespace: &str,
+        id: &KeyId,
+        now_ms: u64,
+    ) -> Result<Result<bool, Unreadable>, EngineError> {
+        if self.holds(namespace, id, now_ms) {
+            return Ok(Ok(true));
+        }
+        if !self.index_in_use {
+            return Ok(Ok(false));
+        }
+        Ok(index_expiry(txn, namespace, id)?.map(|e| e.is_some_and(|at| at > now_ms)))
+    }
+
+    /// While more than `limit` ids are held, moves the ids of the chunks that expire first into
+    /// the index (each under its latest expiry there) and the spill mark past them, down to
+    /// three quarters of `limit`. Part of a call's writes: a crash part way leaves ids in both
+    /// places, never in neither (the mark moves in the same commit, after the index entries).
+    fn spill(&mut self, txn: &mut dyn Txn, limit: usize) -> Result<bool, EngineError> {
+        if self.held <= limit {
+            return Ok(false);
+        }
+        let target = limit - limit / 4;
+        let mut page = Vec::with_capacity(SWEEP_PAGE_CHUNKS);
+        while self.held > target {
+            page.clear();
+            let from = match self.spilled_to.is_empty() {
+                true => Bound::Unbounded,
+                false => Bound::Excluded(&self.spilled_to[..]),
+            };
+            txn.set_scan(
+                SetTable::Chunks,
+                (from, Bound::Unbounded),
+                SWEEP_PAGE_CHUNKS,
+                &mut page,
+            )?;
+            if page.is_empty() {
+                break;
+            }
+            for (key, value) in &page {
+                // Every unexpired chunk after the mark was read by the load: one that does not
+                // decode here expired since, and holds nothing live.
+                let (Ok(expires), Ok(chunk)) = (chunk_expiry(key), decode_chunk(value)) else {
+                    tracing::warn!(chunk = %hex(key), "spill passed a key-set chunk it could not read");
+                    self.spilled_to.clone_from(key);
+                    continue;
+                };
+                for id in chunk.ids() {
+                    index_raise(txn, chunk.namespace, &id, expires)?;
+                    if let Some(set) = self.namespaces.get_mut(chunk.namespace) {
+                        if set.get(&id) == Some(expires) {
+                            self.held -= usize::from(set.remove(&id));
+                        }
+                    }
+                }
+                self.spilled_to.clone_from(key);
+                self.index_in_use = true;
+                if self.held <= target {
+                    break;
+                }
+            }
+        }
+        let (expiry, seq) = split_chunk_key(&self.spilled_to);
+        txn.meta_put(META_SPILLED_EXPIRY, expiry)?;
+        txn.meta_put(META_SPILLED_SEQ, seq)?;
+        Ok(true)
     }
 
     /// Whether `id` is in the set and unexpired at `now_ms`.
@@ -322,12 +437,85 @@ impl Members {
         if let Some(set) = self.namespaces.get_mut(chunk.namespace) {
             for id in chunk.ids() {
                 if set.get(&id) == Some(expires) {
-                    set.remove(&id);
+                    self.held -= usize::from(set.remove(&id));
                 }
             }
         }
     }
 }
+
+/// Meta keys of the spill mark ([`Members::spilled_to`]): its expiry and sequence number; both
+/// 0 (or absent) when nothing was spilled.
+const META_SPILLED_EXPIRY: &str = "keyset_spilled_expiry";
+const META_SPILLED_SEQ: &str = "keyset_spilled_seq";
+
+/// The persisted spill mark: a chunk key, or empty.
+fn spill_mark(txn: &mut dyn Txn) -> Result<Vec<u8>, EngineError> {
+    let expiry = txn.meta_get(META_SPILLED_EXPIRY)?.unwrap_or(0);
+    let seq = txn.meta_get(META_SPILLED_SEQ)?.unwrap_or(0);
+    Ok(match (expiry, seq) {
+        (0, 0) => Vec::new(),
+        _ => chunk_key(expiry, seq).to_vec(),
+    })
+}
+
+fn split_chunk_key(key: &[u8]) -> (u64, u64) {
+    match key {
+        [e @ .., s0, s1, s2, s3, s4, s5, s6, s7] if e.len() == 8 => (
+            u64::from_be_bytes(e.try_into().expect("eight bytes")),
+            u64::from_be_bytes([*s0, *s1, *s2, *s3, *s4, *s5, *s6, *s7]),
+        ),
+        _ => (0, 0),
+    }
+}
+
+/// An index entry's key: the id, then the namespace (format 3's member key).
+fn index_key(namespace: &str, id: &KeyId) -> Vec<u8> {
+    [&id[..], namespace.as_bytes()].concat()
+}
+
+/// The expiry the index holds for `id` (`None`: absent); an entry this build cannot read is
+/// [`Unreadable`], never "absent".
+fn index_expiry(
+    txn: &mut dyn Txn,
+    namespace: &str,
+    id: &KeyId,
+) -> Result<Result<Option<u64>, Unreadable>, EngineError> {
+    let key = index_key(namespace, id);
+    let mut value = Vec::new();
+    if !txn.set_get(SetTable::Index, &key, &mut value)? {
+        return Ok(Ok(None));
+    }
+    Ok(decode_member_v3(&key, &value).map(|(_, _, expires)| Some(expires)))
+}
+
+/// Stores `expires` for `id` in the index unless it holds a later one. An entry this build
+/// cannot read is left as it is (lookups of it keep failing, so an operator sees it; writing
+/// over it could shorten a key's life).
+fn index_raise(
+    txn: &mut dyn Txn,
+    namespace: &str,
+    id: &KeyId,
+    expires: u64,
+) -> Result<(), EngineError> {
+    match index_expiry(txn, namespace, id)? {
+        Ok(Some(at)) if at >= expires => return Ok(()),
+        Ok(_) => {}
+        Err(e) => {
+            tracing::error!(error = %e.0, "key-set index entry left as it is");
+            return Ok(());
+        }
+    }
+    let mut value = [0u8; 9];
+    value[0] = INDEX_ENCODING_V1;
+    value[1..].copy_from_slice(&expires.to_be_bytes());
+    txn.set_put(SetTable::Index, &index_key(namespace, id), &value)
+}
+
+/// Version byte of an index entry's value (format 3's member encoding).
+const INDEX_ENCODING_V1: u8 = 1;
+
+impl Members {}
 
 /// What a call found that stops it before anything is written.
 #[derive(Debug)]
@@ -348,7 +536,17 @@ fn scan(
     page_len: usize,
     each: &mut EntryVisitor<'_>,
 ) -> Result<Result<(), Unreadable>, EngineError> {
-    let mut after = Vec::new();
+    scan_from(txn, table, Vec::new(), page_len, each)
+}
+
+/// [`scan`] of the entries after `after` (empty: from the first).
+fn scan_from(
+    txn: &mut dyn Txn,
+    table: SetTable,
+    mut after: Vec<u8>,
+    page_len: usize,
+    each: &mut EntryVisitor<'_>,
+) -> Result<Result<(), Unreadable>, EngineError> {
     let mut page = Vec::with_capacity(page_len);
     loop {
         page.clear();
@@ -378,7 +576,7 @@ fn scan(
 /// `members`.
 pub(crate) fn apply(
     txn: &mut dyn Txn,
-    members: &mut Option<Members>,
+    (members, memory_ids): (&mut Option<Members>, usize),
     call: &KeySetCall,
     now_ms: u64,
     answers: &mut Vec<bool>,
@@ -430,6 +628,13 @@ pub(crate) fn apply(
         if let Err(e) = found {
             return Ok(Err(e));
         }
+        for (i, id) in call.forget.iter().enumerate() {
+            match index_expiry(txn, ns, id)? {
+                Ok(Some(at)) => answers[call.check.len() + i] |= at > now_ms,
+                Ok(None) => {}
+                Err(e) => return Ok(Err(e)),
+            }
+        }
     }
     if !call.check.is_empty() || !call.record.is_empty() {
         let set = match members {
@@ -450,7 +655,11 @@ pub(crate) fn apply(
             if !seen.insert(*id) || recorded.contains(id) {
                 continue;
             }
-            answers[i] = forgotten.contains(id) || !set.holds(ns, id, now_ms);
+            answers[i] = forgotten.contains(id)
+                || match set.knows(txn, ns, id, now_ms)? {
+                    Ok(known) => !known,
+                    Err(e) => return Ok(Err(e)),
+                };
             if answers[i] {
                 if let Some(gate_key) = call.gate_keys.get(i) {
                     match gate_record_holds(txn, &call.namespace, gate_key, now_ms, &mut key)? {
@@ -469,13 +678,19 @@ pub(crate) fn apply(
         if value.is_empty() {
             txn.set_remove(SetTable::Chunks, key)?;
         } else {
-            txn.set_put(key, value)?;
+            txn.set_put(SetTable::Chunks, key, value)?;
         }
         wrote = true;
     }
-    if let Some(ids) = members.as_mut().and_then(|m| m.namespaces.get_mut(ns)) {
-        for id in &call.forget {
-            ids.remove(id);
+    for id in &call.forget {
+        // Absent from the index: a remove of nothing, and nothing written if nothing was here.
+        let mut value = Vec::new();
+        if txn.set_get(SetTable::Index, &index_key(ns, id), &mut value)? {
+            txn.set_remove(SetTable::Index, &index_key(ns, id))?;
+            wrote = true;
+        }
+        if let Some(set) = members.as_mut() {
+            set.remove(ns, id);
         }
     }
     let found_new = call.check.iter().zip(answers.iter()).filter(|(_, &n)| n);
@@ -493,13 +708,28 @@ pub(crate) fn apply(
         for part in ids.chunks(CHUNK_IDS_MAX) {
             seq += 1;
             encode_chunk(ns, part, value);
-            txn.set_put(&chunk_key(expires_at_ms, seq), value)?;
+            txn.set_put(SetTable::Chunks, &chunk_key(expires_at_ms, seq), value)?;
         }
         txn.meta_put(META_CHUNK_SEQ, seq)?;
         let ids = std::mem::take(&mut set.scratch.ids);
-        set.add(ns, ids.iter().copied(), expires_at_ms);
+        // A chunk that sorts before the spill mark (a shorter ttl than earlier calls') has its
+        // ids in the index, like the chunks around it.
+        let first = chunk_key(
+            expires_at_ms,
+            seq - ids.len().div_ceil(CHUNK_IDS_MAX) as u64 + 1,
+        );
+        if !set.spilled_to.is_empty() && first[..] <= set.spilled_to[..] {
+            for id in &ids {
+                index_raise(txn, ns, id, expires_at_ms)?;
+            }
+        } else {
+            set.add(ns, ids.iter().copied(), expires_at_ms);
+        }
         set.scratch.ids = ids;
         wrote = true;
+    }
+    if let Some(set) = members.as_mut() {
+        wrote |= set.spill(txn, memory_ids)?;
     }
     Ok(Ok(wrote))
 }
@@ -560,6 +790,7 @@ pub(crate) fn sweep_step(
     // Chunks expired by now sort before the first key of the next millisecond; only those are
     // read. A removal is seen by the next read of the same transaction.
     let bound = chunk_key(now_ms.saturating_add(1), 0);
+    let spilled_to = spill_mark(txn)?;
     let mut members = members;
     let mut swept = Swept::default();
     let mut page = Vec::with_capacity(SWEEP_PAGE_CHUNKS);
@@ -577,6 +808,17 @@ pub(crate) fn sweep_step(
                 }
             };
             match decode_chunk(value) {
+                Ok(chunk) if !spilled_to.is_empty() && key[..] <= spilled_to[..] => {
+                    // Spilled: its ids are in the index, unless a later chunk raised them.
+                    swept.ids += chunk.ids().len() as u64;
+                    for id in chunk.ids() {
+                        if let Ok(Some(at)) = index_expiry(txn, chunk.namespace, &id)? {
+                            if at <= expires_at_ms {
+                                txn.set_remove(SetTable::Index, &index_key(chunk.namespace, &id))?;
+                            }
+                        }
+                    }
+                }
                 Ok(chunk) => {
                     swept.ids += chunk.ids().len() as u64;
                     if let Some(members) = members.as_deref_mut() {
@@ -612,7 +854,7 @@ pub(crate) fn sweep_step(
 /// open (still format 3) migrates the rest. Returns how many members moved.
 pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadable>, EngineError> {
     const PAGE: usize = 10_000;
-    let checked = scan(txn, SetTable::MembersV3, PAGE, &mut |key, value| {
+    let checked = scan(txn, SetTable::Index, PAGE, &mut |key, value| {
         decode_member_v3(key, value).map(drop)
     })?;
     if let Err(e) = checked {
@@ -626,7 +868,7 @@ pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadabl
         // Each page's members are gone once it is done: the next page starts from the front.
         page.clear();
         let all = (Bound::Unbounded, Bound::Unbounded);
-        txn.set_scan(SetTable::MembersV3, all, PAGE, &mut page)?;
+        txn.set_scan(SetTable::Index, all, PAGE, &mut page)?;
         if page.is_empty() {
             break;
         }
@@ -642,24 +884,23 @@ pub(crate) fn migrate_members(txn: &mut dyn Txn) -> Result<Result<u64, Unreadabl
             for ids in ids.chunks(CHUNK_IDS_MAX) {
                 seq += 1;
                 encode_chunk(namespace, ids, &mut value);
-                txn.set_put(&chunk_key(*expires, seq), &value)?;
+                txn.set_put(SetTable::Chunks, &chunk_key(*expires, seq), &value)?;
             }
         }
         txn.meta_put(META_CHUNK_SEQ, seq)?;
         for (key, _) in &page {
-            txn.set_remove(SetTable::MembersV3, key)?;
+            txn.set_remove(SetTable::Index, key)?;
         }
         moved += page.len() as u64;
     }
     Ok(Ok(moved))
 }
 
-/// A format-3 member's id, namespace and expiry.
+/// An index entry's (a format-3 member's) id, namespace and expiry.
 fn decode_member_v3<'a>(key: &'a [u8], value: &[u8]) -> Result<(KeyId, &'a str, u64), Unreadable> {
-    const MEMBER_ENCODING_V1: u8 = 1;
-    let bad = |what: &str| Unreadable(format!("format-3 key-set member {}: {what}", hex(key)));
+    let bad = |what: &str| Unreadable(format!("key-set index entry {}: {what}", hex(key)));
     let expires = match value {
-        [MEMBER_ENCODING_V1, rest @ ..] if rest.len() == 8 => {
+        [INDEX_ENCODING_V1, rest @ ..] if rest.len() == 8 => {
             u64::from_be_bytes(rest.try_into().expect("eight bytes"))
         }
         _ => return Err(bad("unknown value")),

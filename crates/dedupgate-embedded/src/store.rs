@@ -42,6 +42,11 @@ pub struct EmbeddedOptions {
     /// whose blocks are not cached read and decode a block each: a `dedup --ledger` re-run over
     /// 7M known keys took 141 s with 64 MiB and 34 s with 256 MiB, which held the whole set.
     pub cache_bytes: u64,
+    /// Most key-set ids the writer holds in memory (about 40–60 bytes each; default 8,388,608,
+    /// so about 0.5 GB at most). Past it, the ids of the chunks that expire first move to a
+    /// per-key index on disk, where lookups are slower (an LSM read per key the memory does not
+    /// hold), and memory stays bounded whatever the set's size.
+    pub key_set_memory_ids: usize,
 }
 
 impl Default for EmbeddedOptions {
@@ -53,6 +58,7 @@ impl Default for EmbeddedOptions {
             sweep_batch_max: 1_000,
             clock: None,
             cache_bytes: crate::engine::CACHE_BYTES_DEFAULT,
+            key_set_memory_ids: crate::keyset::MEMORY_IDS_DEFAULT,
         }
     }
 }
@@ -74,6 +80,9 @@ impl EmbeddedOptions {
         }
         if !(1 << 20..=64 << 30).contains(&self.cache_bytes) {
             return fail("cache_bytes must be 1 MiB..=64 GiB");
+        }
+        if self.key_set_memory_ids == 0 || self.key_set_memory_ids > 1 << 32 {
+            return fail("key_set_memory_ids must be 1..=4294967296");
         }
         Ok(())
     }
@@ -471,6 +480,7 @@ impl EmbeddedStore {
             batch_ops_max: options.batch_ops_max,
             index_seq: 0,
             keyset_members: None,
+            keyset_memory_ids: options.key_set_memory_ids,
         };
         let writer = std::thread::Builder::new()
             .name("dedupgate-writer".into())

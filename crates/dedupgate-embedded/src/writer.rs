@@ -319,6 +319,8 @@ pub(crate) struct Writer {
     /// The key set's live ids, once a key-set call loaded them (see [`keyset::apply`]);
     /// dropped by a failed write.
     pub keyset_members: Option<keyset::Members>,
+    /// Most key-set ids held in memory (see [`crate::EmbeddedOptions::key_set_memory_ids`]).
+    pub keyset_memory_ids: usize,
 }
 
 impl Writer {
@@ -516,9 +518,10 @@ impl Writer {
         let mut unreadable = None;
         let engine = self.engine.as_mut().expect("checked by the caller");
         let members = &mut self.keyset_members;
+        let memory_ids = self.keyset_memory_ids;
         let result = engine.write(&mut |txn: &mut dyn Txn| match keyset::apply(
             txn,
-            members,
+            (members, memory_ids),
             call,
             now_ms,
             &mut answers,

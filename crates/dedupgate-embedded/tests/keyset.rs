@@ -436,3 +436,82 @@ async fn an_unreadable_chunk_fails_calls_until_it_expires_and_is_swept() {
     let (_ks, p) = chunks(&keyspace);
     assert_eq!(p.len().unwrap(), 1, "only the last call's chunk is left");
 }
+
+/// Past its memory limit the writer moves the ids of the chunks that expire first into a
+/// per-key index on disk: every key stays known (before and after a reopen), a key recorded
+/// with a shorter ttl (its chunk sorts before the moved ones) too, a forgotten moved key is new
+/// again, and once all expire the sweeper removes chunks and index entries alike.
+#[tokio::test]
+async fn past_the_memory_limit_keys_move_to_an_index_and_stay_known() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_000_000);
+    let open_limited = || {
+        let options = EmbeddedOptions {
+            clock: Some(Arc::new(clock.clone())),
+            sweep_interval_ms: 20,
+            key_set_memory_ids: 100,
+            ..EmbeddedOptions::default()
+        };
+        EmbeddedStore::open(tmp.path(), options).unwrap()
+    };
+    let store = open_limited();
+    for c in 0..20 {
+        let answers = store
+            .key_set(call("p", vec![], ids(c * 50..(c + 1) * 50), true))
+            .await
+            .unwrap();
+        assert_eq!(answers, vec![true; 50], "call {c}");
+    }
+    let mut short = call("p", ids(5_000..5_010), vec![], false);
+    short.ttl_ms = TTL_MS / 2;
+    store.key_set(short).await.unwrap();
+    let all: Vec<KeyId> = ids(0..1_000).into_iter().chain(ids(5_000..5_010)).collect();
+    let known = store
+        .key_set(call("p", vec![], all.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!(known, vec![false; 1_010], "every key known");
+    drop(store);
+    let keyspace = tmp
+        .path()
+        .join(dedupgate_embedded::ENGINE_DIR_NAME)
+        .join("keyspace");
+    let partition_len = |name: &str| {
+        let ks = fjall::Config::new(&keyspace).open().unwrap();
+        let p = ks
+            .open_partition(name, fjall::PartitionCreateOptions::default())
+            .unwrap();
+        p.len().unwrap()
+    };
+    assert!(
+        partition_len("keyset") >= 900,
+        "most ids moved to the index"
+    );
+    let store = open_limited();
+    let known = store
+        .key_set(call("p", vec![], all.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!(known, vec![false; 1_010], "every key known after a reopen");
+    let mut forget = call("p", vec![], vec![], false);
+    forget.forget = vec![id(0)];
+    assert_eq!(store.key_set(forget).await.unwrap(), vec![true]);
+    let answers = store
+        .key_set(call("p", vec![], ids(0..2), false))
+        .await
+        .unwrap();
+    assert_eq!(answers, vec![true, false], "the forgotten key alone is new");
+    clock.advance(TTL_MS);
+    let mut swept = 0;
+    for _ in 0..200 {
+        swept = store.stats().await.unwrap().swept_total.unwrap();
+        if swept >= 1_009 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(swept, 1_009, "every id but the forgotten one swept");
+    drop(store);
+    assert_eq!(partition_len("keyset_chunks"), 0, "every chunk swept");
+    assert_eq!(partition_len("keyset"), 0, "every index entry swept");
+}

@@ -1036,7 +1036,7 @@ async fn an_unreadable_format_3_member_stops_the_migration() {
     make_format_3(tmp.path(), &[(key, vec![7, 0, 0])]);
     match open(tmp.path()) {
         Err(OpenError::Corrupt { detail, .. }) => {
-            assert!(detail.contains("format-3 key-set member"), "{detail}")
+            assert!(detail.contains("key-set index entry"), "{detail}")
         }
         other => panic!("expected Corrupt, got {:?}", other.map(|_| ())),
     }

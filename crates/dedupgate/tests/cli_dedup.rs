@@ -1416,3 +1416,27 @@ fn repeats_of_old_keys_do_not_let_a_key_in_flight_through_twice() {
         assert_eq!(emitted.lines().count(), 13, "batch {batch}: {emitted}");
     }
 }
+
+/// An embedded ledger whose key set is larger than `--ledger-memory-keys` keeps the keys that
+/// expire first in its index on disk: every key is still emitted once, and a re-run emits
+/// nothing.
+#[test]
+fn a_ledger_past_its_memory_limit_decides_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, expected, _) = repeating(300, 0);
+    let path = write(dir.path(), "r.jsonl", &input);
+    let ledger = format!("embedded:{}", dir.path().join("small").display());
+    let dedup = || {
+        dg().args(["dedup", "--key-fields", "k", "--ledger-batch", "7"])
+            .args(["--ledger-memory-keys", "20", "--ledger", &ledger])
+            .arg(&path)
+            .output()
+            .unwrap()
+    };
+    let first = dedup();
+    assert!(first.status.success(), "{}", err(&first));
+    assert!(out(&first) == expected, "every key once, in input order");
+    let again = dedup();
+    assert!(again.status.success(), "{}", err(&again));
+    assert_eq!(out(&again), "", "a re-run emits nothing");
+}

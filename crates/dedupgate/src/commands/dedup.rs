@@ -93,12 +93,17 @@ pub struct DedupArgs {
     /// emit the last batch again) or at-most-once (record, then write: a crash can lose it).
     #[arg(long, value_enum, default_value_t = LedgerMode::Retriable)]
     ledger_mode: LedgerMode,
-    /// MiB of block cache for an embedded ledger (1..=65536). A ledger whose key set fits in it
-    /// answers known keys several times faster (a re-run over 7M keys: 141 s with 64, 34 s with
-    /// 256); memory grows with it, whatever the input size.
+    /// MiB of block cache for an embedded ledger (1..=65536): the on-disk part of its key set
+    /// (past --ledger-memory-keys) and gate records are read through it.
     #[arg(long, default_value_t = 64, value_name = "MIB",
           value_parser = clap::value_parser!(u64).range(1..=65_536))]
     ledger_cache_mb: u64,
+    /// Keys of an embedded ledger held in memory (about 40-60 bytes each; default 8388608, so
+    /// about 0.5 GB at most, whatever the input size). Past it, the keys that expire first move
+    /// to an index on disk, where each lookup of a key not in memory is an LSM read.
+    #[arg(long, default_value_t = dedupgate_embedded::keyset::MEMORY_IDS_DEFAULT, value_name = "KEYS",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 32))]
+    ledger_memory_keys: usize,
     /// Ledger namespace.
     #[arg(long, default_value = "dedup", value_name = "NS")]
     namespace: String,
@@ -178,6 +183,7 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
         (_, server) => {
             let embedded = EmbeddedOptions {
                 cache_bytes: args.ledger_cache_mb << 20,
+                key_set_memory_ids: args.ledger_memory_keys,
                 ..EmbeddedOptions::default()
             };
             Some(rt.block_on(Backend::open_with(
