@@ -379,7 +379,8 @@ impl Members {
         }
         let target = limit - limit / 4;
         let mut page = Vec::with_capacity(SWEEP_PAGE_CHUNKS);
-        while self.held > target {
+        let mut stuck = false;
+        while self.held > target && !stuck {
             page.clear();
             let from = match self.spilled_to.is_empty() {
                 true => Bound::Unbounded,
@@ -395,12 +396,12 @@ impl Members {
                 break;
             }
             for (key, value) in &page {
-                // Every unexpired chunk after the mark was read by the load: one that does not
-                // decode here expired since, and holds nothing live.
+                // A chunk that does not decode (the disk changed under us) stops the spill: the
+                // mark must not pass ids that are not in the index.
                 let (Ok(expires), Ok(chunk)) = (chunk_expiry(key), decode_chunk(value)) else {
-                    tracing::warn!(chunk = %hex(key), "spill passed a key-set chunk it could not read");
-                    self.spilled_to.clone_from(key);
-                    continue;
+                    tracing::error!(chunk = %hex(key), "spill stopped at a key-set chunk it could not read");
+                    stuck = true;
+                    break;
                 };
                 for id in chunk.ids() {
                     index_raise(txn, chunk.namespace, &id, expires)?;
@@ -417,9 +418,13 @@ impl Members {
                 }
             }
         }
+        // Two writes, the sequence number first: a crash between them keeps the old expiry with
+        // the new number, a mark that never sorts after the new one (the mark's expiry only
+        // grows), so at worst some spilled chunks load again, their ids then in both places.
+        // The other order could keep a mark past chunks whose ids never reached the index.
         let (expiry, seq) = split_chunk_key(&self.spilled_to);
-        txn.meta_put(META_SPILLED_EXPIRY, expiry)?;
         txn.meta_put(META_SPILLED_SEQ, seq)?;
+        txn.meta_put(META_SPILLED_EXPIRY, expiry)?;
         Ok(true)
     }
 
@@ -514,8 +519,6 @@ fn index_raise(
 
 /// Version byte of an index entry's value (format 3's member encoding).
 const INDEX_ENCODING_V1: u8 = 1;
-
-impl Members {}
 
 /// What a call found that stops it before anything is written.
 #[derive(Debug)]

@@ -81,8 +81,8 @@ impl EmbeddedOptions {
         if !(1 << 20..=64 << 30).contains(&self.cache_bytes) {
             return fail("cache_bytes must be 1 MiB..=64 GiB");
         }
-        if self.key_set_memory_ids == 0 || self.key_set_memory_ids > 1 << 32 {
-            return fail("key_set_memory_ids must be 1..=4294967296");
+        if self.key_set_memory_ids == 0 || self.key_set_memory_ids as u64 > u64::from(u32::MAX) {
+            return fail("key_set_memory_ids must be 1..=4294967295");
         }
         Ok(())
     }

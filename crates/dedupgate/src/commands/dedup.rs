@@ -102,7 +102,7 @@ pub struct DedupArgs {
     /// about 0.5 GB at most, whatever the input size). Past it, the keys that expire first move
     /// to an index on disk, where each lookup of a key not in memory is an LSM read.
     #[arg(long, default_value_t = dedupgate_embedded::keyset::MEMORY_IDS_DEFAULT, value_name = "KEYS",
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1 << 32))]
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=u64::from(u32::MAX)))]
     ledger_memory_keys: usize,
     /// Ledger namespace.
     #[arg(long, default_value = "dedup", value_name = "NS")]
