@@ -235,3 +235,38 @@ fn python_requests_with_retries_runs_each_request_once() {
         "timed-out retries never ran it again"
     );
 }
+
+/// `--connections-max 0` was taken as 1 (one connection served at a time, silently): refused
+/// with a message naming the flag, before anything starts.
+#[test]
+fn a_connection_limit_of_zero_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("embedded:{}", dir.path().join("s").display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .args([
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--store",
+            &store,
+        ])
+        .args(["--listen", "127.0.0.1:0", "--connections-max", "0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A proxy that accepted the flag would serve until stopped.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("the proxy started with --connections-max 0");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--connections-max"), "{err}");
+    assert!(!dir.path().join("s").exists(), "nothing created");
+}

@@ -84,8 +84,9 @@ pub struct ProxyArgs {
     /// DEDUPGATE_PROXY_ENCRYPTION_KEY may hold the key itself instead.
     #[arg(long, env = "DEDUPGATE_PROXY_ENCRYPTION_KEY_FILE")]
     encryption_key_file: Option<PathBuf>,
-    /// Connections served at once [default: 10000].
-    #[arg(long, env = "DEDUPGATE_PROXY_CONNECTIONS_MAX")]
+    /// Connections served at once, 1..=1000000 [default: 10000].
+    #[arg(long, env = "DEDUPGATE_PROXY_CONNECTIONS_MAX",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     connections_max: Option<usize>,
 }
 
