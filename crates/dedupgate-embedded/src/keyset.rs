@@ -121,15 +121,17 @@ pub fn chunk_key(expires_at_ms: u64, seq: u64) -> [u8; 16] {
 
 /// The expiry of a chunk key; an error for a key this build did not write.
 pub fn chunk_expiry(key: &[u8]) -> Result<u64, DecodeError> {
-    match key {
-        [expiry @ .., _, _, _, _, _, _, _, _] if expiry.len() == 8 => {
-            Ok(u64::from_be_bytes(expiry.try_into().expect("eight bytes")))
-        }
-        _ => Err(DecodeError(format!(
-            "key-set chunk key of {} bytes, not 16",
-            key.len()
-        ))),
-    }
+    chunk_key_parts(key).map(|(expiry, _)| expiry)
+}
+
+/// A chunk key's expiry and sequence number.
+fn chunk_key_parts(key: &[u8]) -> Result<(u64, u64), DecodeError> {
+    let bytes: &[u8; 16] = key
+        .try_into()
+        .map_err(|_| DecodeError(format!("key-set chunk key of {} bytes, not 16", key.len())))?;
+    let (expiry, seq) = bytes.split_at(8);
+    let word = |b: &[u8]| u64::from_be_bytes(b.try_into().expect("eight bytes"));
+    Ok((word(expiry), word(seq)))
 }
 
 /// Writes a chunk's value into `out` (cleared first).
@@ -422,7 +424,8 @@ impl Members {
         // the new number, a mark that never sorts after the new one (the mark's expiry only
         // grows), so at worst some spilled chunks load again, their ids then in both places.
         // The other order could keep a mark past chunks whose ids never reached the index.
-        let (expiry, seq) = split_chunk_key(&self.spilled_to);
+        // Empty (nothing passed yet) reads as (0, 0), the unset mark.
+        let (expiry, seq) = chunk_key_parts(&self.spilled_to).unwrap_or((0, 0));
         txn.meta_put(META_SPILLED_SEQ, seq)?;
         txn.meta_put(META_SPILLED_EXPIRY, expiry)?;
         Ok(true)
@@ -462,16 +465,6 @@ fn spill_mark(txn: &mut dyn Txn) -> Result<Vec<u8>, EngineError> {
         (0, 0) => Vec::new(),
         _ => chunk_key(expiry, seq).to_vec(),
     })
-}
-
-fn split_chunk_key(key: &[u8]) -> (u64, u64) {
-    match key {
-        [e @ .., s0, s1, s2, s3, s4, s5, s6, s7] if e.len() == 8 => (
-            u64::from_be_bytes(e.try_into().expect("eight bytes")),
-            u64::from_be_bytes([*s0, *s1, *s2, *s3, *s4, *s5, *s6, *s7]),
-        ),
-        _ => (0, 0),
-    }
 }
 
 /// An index entry's key: the id, then the namespace (format 3's member key).
@@ -591,6 +584,7 @@ pub(crate) fn apply(
     // operator's rare `forget`, so a scan of the set; it needs no loaded set).
     let forgotten: HashSet<&KeyId, IdBuild> = call.forget.iter().collect();
     let mut rewrites: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut index_removals: Vec<Vec<u8>> = Vec::new();
     if !forgotten.is_empty() {
         let forget_answers = &mut answers[call.check.len()..];
         let found = scan(
@@ -633,7 +627,10 @@ pub(crate) fn apply(
         }
         for (i, id) in call.forget.iter().enumerate() {
             match index_expiry(txn, ns, id)? {
-                Ok(Some(at)) => answers[call.check.len() + i] |= at > now_ms,
+                Ok(Some(at)) => {
+                    answers[call.check.len() + i] |= at > now_ms;
+                    index_removals.push(index_key(ns, id));
+                }
                 Ok(None) => {}
                 Err(e) => return Ok(Err(e)),
             }
@@ -685,14 +682,12 @@ pub(crate) fn apply(
         }
         wrote = true;
     }
-    for id in &call.forget {
-        // Absent from the index: a remove of nothing, and nothing written if nothing was here.
-        let mut value = Vec::new();
-        if txn.set_get(SetTable::Index, &index_key(ns, id), &mut value)? {
-            txn.set_remove(SetTable::Index, &index_key(ns, id))?;
-            wrote = true;
-        }
-        if let Some(set) = members.as_mut() {
+    for key in &index_removals {
+        txn.set_remove(SetTable::Index, key)?;
+        wrote = true;
+    }
+    if let Some(set) = members.as_mut() {
+        for id in &call.forget {
             set.remove(ns, id);
         }
     }

@@ -42,6 +42,40 @@ fn open(dir: &std::path::Path, clock: &ManualClock) -> EmbeddedStore {
     EmbeddedStore::open(dir, options).unwrap()
 }
 
+/// Options on `clock` with a sweeper that runs every 20 ms.
+fn sweeping(clock: &ManualClock) -> EmbeddedOptions {
+    EmbeddedOptions {
+        clock: Some(Arc::new(clock.clone())),
+        sweep_interval_ms: 20,
+        ..EmbeddedOptions::default()
+    }
+}
+
+/// Waits (up to `polls` x 20 ms) until the sweeper has removed at least `ids`; returns how many.
+async fn wait_swept(store: &EmbeddedStore, ids: u64, polls: usize) -> u64 {
+    let mut swept = 0;
+    for _ in 0..polls {
+        swept = store.stats().await.unwrap().swept_total.unwrap();
+        if swept >= ids {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    swept
+}
+
+/// A key-set partition of a closed store's engine, opened directly.
+fn raw_partition(dir: &std::path::Path, name: &str) -> (fjall::Keyspace, fjall::PartitionHandle) {
+    let keyspace = dir
+        .join(dedupgate_embedded::ENGINE_DIR_NAME)
+        .join("keyspace");
+    let ks = fjall::Config::new(keyspace).open().unwrap();
+    let p = ks
+        .open_partition(name, fjall::PartitionCreateOptions::default())
+        .unwrap();
+    (ks, p)
+}
+
 #[tokio::test]
 async fn record_new_stores_new_keys_in_the_same_call_and_they_survive_a_reopen() {
     let tmp = tempfile::tempdir().unwrap();
@@ -188,10 +222,8 @@ async fn keys_expire_on_the_stores_clock_and_the_sweeper_removes_them() {
     let tmp = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_000_000);
     let options = EmbeddedOptions {
-        clock: Some(Arc::new(clock.clone())),
-        sweep_interval_ms: 20,
         sweep_batch_max: 64,
-        ..EmbeddedOptions::default()
+        ..sweeping(&clock)
     };
     let store = EmbeddedStore::open(tmp.path(), options).unwrap();
     store
@@ -216,14 +248,7 @@ async fn keys_expire_on_the_stores_clock_and_the_sweeper_removes_them() {
     );
     clock.advance(1);
     // The background sweeper removes the expired chunk, 500 keys, and keeps the live one.
-    let mut swept = 0;
-    for _ in 0..500 {
-        swept = store.stats().await.unwrap().swept_total.unwrap();
-        if swept >= 500 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let swept = wait_swept(&store, 500, 500).await;
     assert_eq!(swept, 500, "every expired key swept, the live one kept");
     let answers = store
         .key_set(call("p", vec![], ids(0..501), false))
@@ -309,10 +334,8 @@ async fn expired_keys_are_swept_in_short_sessions_behind_many_live_ones() {
     let clock = ManualClock::new(1_000_000);
     let open_sweeping = || {
         let options = EmbeddedOptions {
-            clock: Some(Arc::new(clock.clone())),
-            sweep_interval_ms: 20,
             sweep_batch_max: 64,
-            ..EmbeddedOptions::default()
+            ..sweeping(&clock)
         };
         EmbeddedStore::open(tmp.path(), options).unwrap()
     };
@@ -370,14 +393,7 @@ async fn an_unreadable_chunk_fails_calls_until_it_expires_and_is_swept() {
     use dedupgate_embedded::keyset::chunk_key;
     let tmp = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_000_000);
-    let open_sweeping = || {
-        let options = EmbeddedOptions {
-            clock: Some(Arc::new(clock.clone())),
-            sweep_interval_ms: 20,
-            ..EmbeddedOptions::default()
-        };
-        EmbeddedStore::open(tmp.path(), options).unwrap()
-    };
+    let open_sweeping = || EmbeddedStore::open(tmp.path(), sweeping(&clock)).unwrap();
     {
         let store = open(tmp.path(), &clock);
         store
@@ -385,19 +401,8 @@ async fn an_unreadable_chunk_fails_calls_until_it_expires_and_is_swept() {
             .await
             .unwrap();
     }
-    let keyspace = tmp
-        .path()
-        .join(dedupgate_embedded::ENGINE_DIR_NAME)
-        .join("keyspace");
-    let chunks = |keyspace: &std::path::Path| {
-        let ks = fjall::Config::new(keyspace).open().unwrap();
-        let p = ks
-            .open_partition("keyset_chunks", fjall::PartitionCreateOptions::default())
-            .unwrap();
-        (ks, p)
-    };
     {
-        let (ks, p) = chunks(&keyspace);
+        let (ks, p) = raw_partition(tmp.path(), "keyset_chunks");
         p.insert(chunk_key(1_000_000 + TTL_MS, u64::MAX), [9u8, 9, 9])
             .unwrap();
         ks.persist(fjall::PersistMode::SyncAll).unwrap();
@@ -418,14 +423,7 @@ async fn an_unreadable_chunk_fails_calls_until_it_expires_and_is_swept() {
         assert!(store.key_set(forget).await.is_err(), "forget refuses too");
         assert_eq!(store.commits_total(), before, "nothing written");
         clock.advance(TTL_MS);
-        let mut swept = 0;
-        for _ in 0..200 {
-            swept = store.stats().await.unwrap().swept_total.unwrap();
-            if swept >= 10 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let swept = wait_swept(&store, 10, 200).await;
         assert_eq!(swept, 10, "the readable chunk's keys swept");
         let answers = store
             .key_set(call("p", vec![], ids(0..20), true))
@@ -433,7 +431,7 @@ async fn an_unreadable_chunk_fails_calls_until_it_expires_and_is_swept() {
             .unwrap();
         assert_eq!(answers, vec![true; 20]);
     }
-    let (_ks, p) = chunks(&keyspace);
+    let (_ks, p) = raw_partition(tmp.path(), "keyset_chunks");
     assert_eq!(p.len().unwrap(), 1, "only the last call's chunk is left");
 }
 
@@ -447,10 +445,8 @@ async fn past_the_memory_limit_keys_move_to_an_index_and_stay_known() {
     let clock = ManualClock::new(1_000_000);
     let open_limited = || {
         let options = EmbeddedOptions {
-            clock: Some(Arc::new(clock.clone())),
-            sweep_interval_ms: 20,
             key_set_memory_ids: 100,
-            ..EmbeddedOptions::default()
+            ..sweeping(&clock)
         };
         EmbeddedStore::open(tmp.path(), options).unwrap()
     };
@@ -472,17 +468,7 @@ async fn past_the_memory_limit_keys_move_to_an_index_and_stay_known() {
         .unwrap();
     assert_eq!(known, vec![false; 1_010], "every key known");
     drop(store);
-    let keyspace = tmp
-        .path()
-        .join(dedupgate_embedded::ENGINE_DIR_NAME)
-        .join("keyspace");
-    let partition_len = |name: &str| {
-        let ks = fjall::Config::new(&keyspace).open().unwrap();
-        let p = ks
-            .open_partition(name, fjall::PartitionCreateOptions::default())
-            .unwrap();
-        p.len().unwrap()
-    };
+    let partition_len = |name: &str| raw_partition(tmp.path(), name).1.len().unwrap();
     assert!(
         partition_len("keyset") >= 900,
         "most ids moved to the index"
@@ -502,14 +488,7 @@ async fn past_the_memory_limit_keys_move_to_an_index_and_stay_known() {
         .unwrap();
     assert_eq!(answers, vec![true, false], "the forgotten key alone is new");
     clock.advance(TTL_MS);
-    let mut swept = 0;
-    for _ in 0..200 {
-        swept = store.stats().await.unwrap().swept_total.unwrap();
-        if swept >= 1_009 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let swept = wait_swept(&store, 1_009, 200).await;
     assert_eq!(swept, 1_009, "every id but the forgotten one swept");
     drop(store);
     assert_eq!(partition_len("keyset_chunks"), 0, "every chunk swept");

@@ -3,7 +3,7 @@
 //!
 //! Per batch of at most `batch_records` records whose key the window had not seen: one ledger
 //! call (one group commit on the embedded store). While calls are in flight the caller keys
-//! and collects the next batch; when that one is full and [`Ledger::depth`] calls are in
+//! and collects the next batch; when that one is full and [`sink_depth`] calls are in
 //! flight, the oldest call's answers are waited for, its new records written (in input order)
 //! and the output flushed, and only then the next call goes out. A key that two calls in
 //! flight could both find new (neither has recorded it yet) is kept out of the later one by the
@@ -151,7 +151,10 @@ enum Sink {
 
 type CallResult = (Sent, anyhow::Result<LedgerAnswers>);
 
-/// See [`Ledger::depth`].
+/// Calls kept in flight at once: two for a key set, whose calls are short enough that waiting
+/// for each before sending the next left the store's writer idle between them (a first
+/// 10M-line run: 10.0–10.5 s with one, 7.8–9.6 s with two); one for gate records, whose failure
+/// handling releases the claims of the one call it stopped.
 fn sink_depth(sink: &Sink) -> usize {
     match sink {
         Sink::KeySet { .. } => 2,
@@ -172,7 +175,7 @@ pub struct Ledger<'a> {
     window: Window,
     batch: Batch,
     spare: Batch,
-    /// Calls sent and not yet settled, oldest first: at most [`Ledger::depth`].
+    /// Calls sent and not yet settled, oldest first: at most [`sink_depth`].
     in_flight: VecDeque<JoinHandle<CallResult>>,
     /// Claims of written and flushed records, completed by the next call (gate ledger).
     to_complete: Vec<(String, Token)>,
@@ -232,9 +235,8 @@ impl<'a> Ledger<'a> {
             // claim by the same owner would be answered "new" again; a key set records a key
             // only `depth` calls after the one that found it new), so the window, which keeps a
             // key for at least `window / 2` later first sightings, holds twice that many
-            // batches. An
-            // embedded key set answers from memory, so a larger window only costs this thread
-            // cache misses (a 1M-key window made a 10M-line run 30% slower).
+            // batches. An embedded key set answers from memory, so a larger window only costs
+            // this thread cache misses (a 1M-key window made a 10M-line run 30% slower).
             window: Window::new(window_keys.max(2 * (depth + 1) * batch_records)),
             batch: Batch::default(),
             spare: Batch::default(),
@@ -279,18 +281,10 @@ impl<'a> Ledger<'a> {
         Ok(())
     }
 
-    /// Calls kept in flight at once: two for a key set, whose calls are short enough that
-    /// waiting for each before sending the next left the store's writer idle between them
-    /// (a first 10M-line run: 10.0–10.5 s with one, 7.8–9.6 s with two); one for gate records, whose failure
-    /// handling releases the claims of the one call it stopped.
-    fn depth(&self) -> usize {
-        sink_depth(&self.sink)
-    }
-
-    /// Settles the oldest call while [`Ledger::depth`] are in flight, then sends the current
+    /// Settles the oldest call while [`sink_depth`] are in flight, then sends the current
     /// batch with the completions due.
     fn send(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
-        while self.in_flight.len() >= self.depth() {
+        while self.in_flight.len() >= sink_depth(&self.sink) {
             self.settle_oldest(counts, out)?;
         }
         if self.batch.len() == 0 && self.to_complete.is_empty() && self.to_record.is_empty() {
