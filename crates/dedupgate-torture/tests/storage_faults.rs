@@ -21,7 +21,7 @@ fn cfg(dir: &std::path::Path, what: &str, episodes: u64) -> StorageFaultConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_writes_and_fsyncs_fail_closed_and_lose_nothing_acknowledged() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::run_dir();
     let r = storage_faults::failed_io(cfg(dir.path(), "failed-io", 6))
         .await
         .expect("the run could be carried out");
@@ -55,7 +55,7 @@ async fn failed_writes_and_fsyncs_fail_closed_and_lose_nothing_acknowledged() {
 /// flushed and synced, every directory synced, before the store answers again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_a_failed_fsync_did_not_write_takes_nothing_acknowledged_with_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::run_dir();
     let mut c = cfg(dir.path(), "failed-io then power loss", 3);
     c.power_loss_at_end = true;
     let r = storage_faults::failed_io(c)
@@ -72,7 +72,7 @@ async fn what_a_failed_fsync_did_not_write_takes_nothing_acknowledged_with_it() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn power_losses_drop_unsynced_writes_and_nothing_acknowledged() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::run_dir();
     let r = storage_faults::power_loss(cfg(dir.path(), "power-loss", 8))
         .await
         .expect("the run could be carried out");
@@ -118,7 +118,7 @@ fn healthy(addr: &str) -> bool {
 /// dedupgate store"). Fixed in `dedupgate-embedded` (store.rs, fsync of the staging directory).
 #[test]
 fn a_store_just_created_survives_a_power_loss() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = common::run_dir();
     let lib = build_shim(&dir.path().join("shim")).unwrap();
     let data = std::fs::canonicalize(dir.path()).unwrap().join("data");
     let log = dir.path().join("shim.log");

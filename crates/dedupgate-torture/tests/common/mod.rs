@@ -22,6 +22,18 @@ pub fn pg_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// A scratch directory for one run, removed afterwards unless `DEDUPGATE_TORTURE_KEEP` is set
+/// (then its path is printed and it stays, to read a failed run's data and logs).
+#[allow(dead_code)]
+pub fn run_dir() -> tempfile::TempDir {
+    let mut dir = tempfile::tempdir().expect("temp dir");
+    if std::env::var_os("DEDUPGATE_TORTURE_KEEP").is_some() {
+        dir.disable_cleanup(true);
+        eprintln!("run directory kept: {}", dir.path().display());
+    }
+    dir
+}
+
 /// One CI-sized crash-cycle run. The seed is derived from `"{label} {store} {face:?}"`: keep
 /// each file's label unchanged so the seeds printed by earlier runs still replay.
 #[allow(dead_code)]
@@ -33,7 +45,7 @@ pub async fn torture(
     tweak: impl FnOnce(&mut RunConfig),
 ) -> RunReport {
     let seed = dedupgate_torture::seed(&format!("{label} {store} {face:?}"));
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = run_dir();
     let mut cfg = RunConfig::ci(store, face, cycles, dir.path().join("run"), exe(), seed);
     tweak(&mut cfg);
     // The cron and proxy faces spawn the `dedupgate` binary, which this package does not build.
