@@ -22,6 +22,8 @@ pub const DEFAULT_NAMESPACE: &str = "idempotency";
 pub const DEFAULT_SCOPE_HEADER: &str = "authorization";
 /// Default lease: covers the default upstream timeout (30 s) plus time to store the answer.
 pub const DEFAULT_LEASE_MS: u64 = 35_000;
+/// Default time a gated request's body has to arrive once its head has.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
 
 /// Whether a route needs an `Idempotency-Key`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -110,6 +112,10 @@ pub struct IdempotencyConfig {
     pub deny_headers: HashSet<HeaderName>,
     /// Cap on a gated request's body; larger gets 413.
     pub request_bytes_max: u64,
+    /// Time a gated request's body has to arrive, once its head has; a body still incomplete
+    /// then gets 408 and nothing is claimed. A client trickling its body would otherwise hold
+    /// a connection and a buffer for as long as it likes.
+    pub body_read_timeout_ms: u64,
     /// Cap on a stored response body; larger is answered with a 502 problem, stored as the answer.
     pub response_bytes_max: u64,
     /// When set, a duplicate of an in-flight request waits up to this long for the first to
@@ -130,6 +136,7 @@ impl Default for IdempotencyConfig {
             allow_headers: HashSet::new(),
             deny_headers: HashSet::new(),
             request_bytes_max: DEFAULT_REQUEST_BYTES_MAX,
+            body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT_MS,
             response_bytes_max: DEFAULT_RESPONSE_BYTES_MAX,
             wait_ms: None,
             sealer: None,
@@ -159,7 +166,11 @@ impl IdempotencyConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         dedupgate_core::Namespace::new(self.namespace.clone())
             .map_err(|e| ConfigError::Invalid(format!("namespace: {e}")))?;
-        for (name, ms) in [("ttl", self.ttl_ms), ("lease", self.lease_ms)] {
+        for (name, ms) in [
+            ("ttl", self.ttl_ms),
+            ("lease", self.lease_ms),
+            ("body_read_timeout", self.body_read_timeout_ms),
+        ] {
             if ms == 0 || ms > dedupgate_core::op::DURATION_MS_MAX {
                 return Err(ConfigError::Invalid(format!(
                     "{name} must be positive and at most ten years"
@@ -182,6 +193,7 @@ impl IdempotencyConfig {
 /// allow_headers = ["set-cookie"]
 /// deny_headers = ["x-request-id"]
 /// request_bytes_max = 1048576
+/// body_read_timeout = "30s"
 /// wait = "10s"
 ///
 /// [[route]]
@@ -218,6 +230,8 @@ pub struct ConfigFile {
     pub deny_headers: Vec<String>,
     /// Gated request body cap, bytes.
     pub request_bytes_max: Option<u64>,
+    /// Time a gated request's body has to arrive, with a unit.
+    pub body_read_timeout: Option<String>,
     /// Stored response body cap, bytes.
     pub response_bytes_max: Option<u64>,
     /// Wait for an in-flight duplicate, with a unit.
@@ -280,6 +294,9 @@ impl ConfigFile {
         }
         if let Some(n) = self.response_bytes_max {
             base.response_bytes_max = n;
+        }
+        if let Some(t) = self.body_read_timeout {
+            base.body_read_timeout_ms = parse_duration_ms(&t)?;
         }
         if let Some(w) = self.wait {
             base.wait_ms = Some(parse_duration_ms(&w)?);
@@ -374,6 +391,7 @@ mod tests {
 namespace = "shop"
 ttl = "1h"
 wait = "2s"
+body_read_timeout = "5s"
 allow_headers = ["Set-Cookie"]
 [[route]]
 methods = ["post"]
@@ -389,6 +407,7 @@ key = "off"
         assert_eq!(c.namespace, "shop");
         assert_eq!(c.ttl_ms, 3_600_000);
         assert_eq!(c.wait_ms, Some(2000));
+        assert_eq!(c.body_read_timeout_ms, 5000);
         assert!(c.allow_headers.contains(&http::header::SET_COOKIE));
         assert_eq!(
             c.requirement(&Method::POST, "/pay/x"),
@@ -400,6 +419,10 @@ key = "off"
             Some(Requirement::Off)
         );
         assert!(ConfigFile::parse("bogus = 1").is_err());
+        assert!(ConfigFile::parse("body_read_timeout = \"0s\"")
+            .unwrap()
+            .apply(IdempotencyConfig::default())
+            .is_err());
         assert!(ConfigFile::parse("namespace = \"bad ns\"")
             .unwrap()
             .apply(IdempotencyConfig::default())

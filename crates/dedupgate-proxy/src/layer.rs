@@ -244,10 +244,14 @@ where
         return Ok(too_large(config.request_bytes_max));
     }
     let limit = usize::try_from(config.request_bytes_max).unwrap_or(usize::MAX);
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if is_length_limit(e.as_ref()) => return Ok(too_large(config.request_bytes_max)),
-        Err(e) => {
+    let read_for = Duration::from_millis(config.body_read_timeout_ms);
+    let body = match tokio::time::timeout(read_for, Limited::new(body, limit).collect()).await {
+        Err(_) => return Ok(body_too_slow(read_for)),
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) if is_length_limit(e.as_ref()) => {
+            return Ok(too_large(config.request_bytes_max))
+        }
+        Ok(Err(e)) => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
@@ -300,6 +304,18 @@ where
 {
     futures::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
     inner.call(req).await
+}
+
+/// 408, and the connection closes: the rest of the body may still be on its way.
+fn body_too_slow<RB: From<Bytes>>(waited: Duration) -> Response<RB> {
+    let mut res = problem(
+        StatusCode::REQUEST_TIMEOUT,
+        "request_timeout",
+        format!("the request body did not arrive within {waited:?}; nothing was claimed"),
+    );
+    res.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    res
 }
 
 fn too_large<RB: From<Bytes>>(max: u64) -> Response<RB> {

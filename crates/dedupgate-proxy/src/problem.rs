@@ -1,6 +1,6 @@
 //! RFC 9457 problem responses with API.md's stable `code`s, plus the proxy's own:
-//! `request_in_progress` (409), `bad_gateway` (502), `gateway_timeout` (504) and
-//! `stored_response_unreadable` (500).
+//! `request_in_progress` (409), `request_timeout` (408), `bad_gateway` (502),
+//! `gateway_timeout` (504) and `stored_response_unreadable` (500).
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};

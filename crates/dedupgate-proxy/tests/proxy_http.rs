@@ -506,6 +506,38 @@ async fn large_bodies_stream_and_oversized_ones_get_413() {
     assert_eq!(a.body, b.body);
 }
 
+/// A gated request whose body stops coming gets 408 once `body_read_timeout_ms` has passed,
+/// the connection closes, and nothing was claimed: the same key with its whole body then runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_coming_gets_408_and_claims_nothing() {
+    let config = IdempotencyConfig {
+        body_read_timeout_ms: 300,
+        ..IdempotencyConfig::default()
+    };
+    let h = start(config).await;
+    let mut s = tokio::net::TcpStream::connect(h.proxy).await.unwrap();
+    s.write_all(
+        b"POST /charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-slow\r\n\
+          Content-Length: 10\r\n\r\n{\"a\"",
+    )
+    .await
+    .unwrap();
+    // The rest of the body never comes; the answer does, and then the connection closes.
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .expect("the proxy answered and closed")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("request_timeout"), "{text}");
+    assert_eq!(h.api.counts.of("k-slow"), 0, "nothing reached the upstream");
+    let r = h.post("/charges", "k-slow", r#"{"a":1234}"#).await;
+    assert_eq!(r.status, StatusCode::CREATED, "the key was not held");
+    assert!(!r.replayed());
+    assert_eq!(h.api.counts.of("k-slow"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_responses_are_not_run_twice() {
     let config = IdempotencyConfig {

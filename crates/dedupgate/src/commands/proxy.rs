@@ -77,6 +77,10 @@ pub struct ProxyArgs {
     /// Largest request body in bytes [default: 10485760].
     #[arg(long, env = "DEDUPGATE_PROXY_REQUEST_BYTES_MAX")]
     request_bytes_max: Option<u64>,
+    /// Time a gated request's body has to arrive once its head has; then 408, nothing claimed
+    /// [default: 30s].
+    #[arg(long, env = "DEDUPGATE_PROXY_BODY_READ_TIMEOUT")]
+    body_read_timeout: Option<String>,
     /// Largest stored response body in bytes [default: 10485760].
     #[arg(long, env = "DEDUPGATE_PROXY_RESPONSE_BYTES_MAX")]
     response_bytes_max: Option<u64>,
@@ -152,6 +156,9 @@ fn resolve(args: ProxyArgs) -> anyhow::Result<Resolved> {
     }
     if let Some(n) = args.response_bytes_max {
         c.response_bytes_max = n;
+    }
+    if let Some(t) = &args.body_read_timeout {
+        c.body_read_timeout_ms = duration("--body-read-timeout", t)?;
     }
     let key_text = match (
         &args.encryption_key_file,
