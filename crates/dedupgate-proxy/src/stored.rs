@@ -19,13 +19,17 @@ use crate::seal::{Sealer, ALGORITHM};
 /// Format version written into every stored response.
 const VERSION: u64 = 1;
 
+/// RFC 2965's cookie header (obsoleted by RFC 6265, still sent by old servers): it carries
+/// session secrets as `set-cookie` does, so it is dropped unless allowed, as `set-cookie` is.
+const SET_COOKIE2: &str = "set-cookie2";
+
 /// A final response as kept for replay: status, the storable headers in order, and the body.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoredResponse {
     /// Status code.
     pub status: StatusCode,
-    /// Headers minus hop-by-hop, `content-length` (recomputed on replay), `set-cookie` and the
-    /// configured deny list (unless allowed).
+    /// Headers minus hop-by-hop, `content-length` (recomputed on replay), `set-cookie` (and
+    /// the obsolete `set-cookie2`) and the configured deny list (unless allowed).
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The body, exactly as the upstream sent it (after transfer decoding).
     pub body: Bytes,
@@ -73,7 +77,9 @@ impl StoredResponse {
             .iter()
             .filter(|(n, _)| {
                 let allowed = config.allow_headers.contains(*n);
-                let denied = *n == header::SET_COOKIE || config.deny_headers.contains(*n);
+                let denied = *n == header::SET_COOKIE
+                    || n.as_str() == SET_COOKIE2
+                    || config.deny_headers.contains(*n);
                 !is_hop_by_hop(n)
                     && *n != header::CONTENT_LENGTH
                     && *n != IDEMPOTENT_REPLAYED
@@ -208,6 +214,10 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append("content-type", HeaderValue::from_static("application/json"));
         h.append("set-cookie", HeaderValue::from_static("session=secret"));
+        h.append(
+            "set-cookie2",
+            HeaderValue::from_static("old=secret; Version=1"),
+        );
         h.append("x-a", HeaderValue::from_static("1"));
         h.append("x-a", HeaderValue::from_static("2"));
         h.append("x-bin", HeaderValue::from_bytes(b"\xff\xfe").unwrap());
