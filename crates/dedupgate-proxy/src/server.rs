@@ -191,6 +191,17 @@ async fn drain(mut body: Incoming) {
     }
 }
 
+/// The first transfer coding of a request other than `chunked`, if any (RFC 9112 6.1: a
+/// server answers 501 to a transfer coding it does not understand).
+fn unsupported_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
+    headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(|c| String::from_utf8_lossy(c).trim().to_ascii_lowercase())
+        .find(|c| !c.is_empty() && c != "chunked")
+}
+
 async fn serve_one(
     mut service: IdempotencyService<Upstream>,
     peer: SocketAddr,
@@ -202,6 +213,18 @@ async fn serve_one(
             StatusCode::BAD_REQUEST,
             "invalid_request",
             "Content-Length and Transfer-Encoding together make the request's length ambiguous (request smuggling); refused",
+        );
+        res.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return Ok(res);
+    }
+    if let Some(coding) = unsupported_transfer_coding(req.headers()) {
+        // hyper undoes `chunked` only: forwarded without its Transfer-Encoding header, a body
+        // still under another coding would reach the upstream as if it were plain bytes.
+        let mut res: Response<ProxyBody> = problem(
+            StatusCode::NOT_IMPLEMENTED,
+            "invalid_request",
+            format!("the transfer coding {coding:?} is not supported; only chunked is"),
         );
         res.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));

@@ -585,6 +585,16 @@ async fn malformed_and_smuggling_requests_are_refused() {
         let reply = raw(h.proxy, bad.as_bytes()).await;
         assert!(reply.starts_with("HTTP/1.1 400"), "{bad:?} -> {reply}");
     }
+    // Chunked last, another coding before it (gated or not): hyper undoes only the chunks, so
+    // the body would reach the upstream still gzip-coded and unlabelled. 501, nothing sent.
+    for head in [
+        "POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-gzip\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        "PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    ] {
+        let reply = raw(h.proxy, head.as_bytes()).await;
+        assert!(reply.starts_with("HTTP/1.1 501"), "{head:?} -> {reply}");
+        assert!(reply.contains("gzip"), "{reply}");
+    }
     assert_eq!(
         h.api.counts.total(),
         1,
