@@ -116,6 +116,18 @@ fn sends_body_unasked(parts: &axum::http::request::Parts) -> bool {
     parts.version <= axum::http::Version::HTTP_11 && !expects_continue
 }
 
+/// The answer to a request refused before its body was read (401, 413) goes at once; the body
+/// is read beside it and dropped, bounded by `deadline` and [`REFUSED_BODY_DRAIN_BYTES_MAX`]
+/// (a body announced larger is not read, and its connection closes after the answer).
+fn drain_refused_body<B>(body: std::pin::Pin<Box<B>>, deadline: tokio::time::Instant)
+where
+    B: HttpBody<Data = Bytes> + Send + 'static,
+{
+    if body.size_hint().lower() <= REFUSED_BODY_DRAIN_BYTES_MAX {
+        tokio::spawn(tokio::time::timeout_at(deadline, drain(body)));
+    }
+}
+
 /// Reads and drops what is left of a body, up to [`REFUSED_BODY_DRAIN_BYTES_MAX`] bytes.
 async fn drain<B>(mut body: std::pin::Pin<Box<B>>)
 where
@@ -214,7 +226,16 @@ impl AppState {
         B::Error: Into<BoxError>,
     {
         let (parts, body) = request.into_parts();
-        let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
+        let principal = match self.auth.authenticate(self.authorization(&parts.headers)) {
+            Ok(principal) => principal,
+            Err(problem) => {
+                if sends_body_unasked(&parts) {
+                    let timeout = Duration::from_millis(self.config.limits.request_timeout_ms);
+                    drain_refused_body(Box::pin(body), tokio::time::Instant::now() + timeout);
+                }
+                return Err(problem);
+            }
+        };
         let body = self.read_body(body, sends_body_unasked(&parts)).await?;
         Ok((principal, body))
     }
@@ -257,10 +278,8 @@ impl AppState {
             })
         };
         if let Err(problem) = &read {
-            if drain_refused && problem.status == 413 && announced <= REFUSED_BODY_DRAIN_BYTES_MAX {
-                // The 413 goes now; the rest of the body is read beside it and dropped, bounded
-                // by the request's deadline and by bytes.
-                tokio::spawn(tokio::time::timeout_at(deadline, drain(body)));
+            if drain_refused && problem.status == 413 {
+                drain_refused_body(body, deadline);
             }
         }
         read
