@@ -117,24 +117,27 @@ fn sends_body_unasked(parts: &axum::http::request::Parts) -> bool {
 }
 
 /// The answer to a request refused before its body was read (401, 413) goes at once; the body
-/// is read beside it and dropped, bounded by `deadline` and [`REFUSED_BODY_DRAIN_BYTES_MAX`]
-/// (a body announced larger is not read, and its connection closes after the answer).
-fn drain_refused_body<B>(body: std::pin::Pin<Box<B>>, deadline: tokio::time::Instant)
-where
+/// is read beside it and dropped, bounded by `deadline` and `bytes_max` (a body announced
+/// larger is not read, and its connection closes after the answer).
+fn drain_refused_body<B>(
+    body: std::pin::Pin<Box<B>>,
+    bytes_max: u64,
+    deadline: tokio::time::Instant,
+) where
     B: HttpBody<Data = Bytes> + Send + 'static,
 {
-    if body.size_hint().lower() <= REFUSED_BODY_DRAIN_BYTES_MAX {
-        tokio::spawn(tokio::time::timeout_at(deadline, drain(body)));
+    if body.size_hint().lower() <= bytes_max {
+        tokio::spawn(tokio::time::timeout_at(deadline, drain(body, bytes_max)));
     }
 }
 
-/// Reads and drops what is left of a body, up to [`REFUSED_BODY_DRAIN_BYTES_MAX`] bytes.
-async fn drain<B>(mut body: std::pin::Pin<Box<B>>)
+/// Reads and drops what is left of a body, up to `bytes_max` bytes.
+async fn drain<B>(mut body: std::pin::Pin<Box<B>>, bytes_max: u64)
 where
     B: HttpBody<Data = Bytes>,
 {
     let mut drained = 0u64;
-    while drained <= REFUSED_BODY_DRAIN_BYTES_MAX {
+    while drained <= bytes_max {
         match body.frame().await {
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
@@ -229,9 +232,15 @@ impl AppState {
         let principal = match self.auth.authenticate(self.authorization(&parts.headers)) {
             Ok(principal) => principal,
             Err(problem) => {
+                // A caller without a token may make the server read (and drop) no more than an
+                // accepted body: `body_bytes_max`, and never past the 413's own bound.
                 if sends_body_unasked(&parts) {
-                    let timeout = Duration::from_millis(self.config.limits.request_timeout_ms);
-                    drain_refused_body(Box::pin(body), tokio::time::Instant::now() + timeout);
+                    let limits = &self.config.limits;
+                    let bytes_max =
+                        (limits.body_bytes_max as u64).min(REFUSED_BODY_DRAIN_BYTES_MAX);
+                    let deadline = tokio::time::Instant::now()
+                        + Duration::from_millis(limits.request_timeout_ms);
+                    drain_refused_body(Box::pin(body), bytes_max, deadline);
                 }
                 return Err(problem);
             }
@@ -279,7 +288,7 @@ impl AppState {
         };
         if let Err(problem) = &read {
             if drain_refused && problem.status == 413 {
-                drain_refused_body(body, deadline);
+                drain_refused_body(body, REFUSED_BODY_DRAIN_BYTES_MAX, deadline);
             }
         }
         read

@@ -126,6 +126,11 @@ impl IntoResponse for Problem {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_S));
         }
+        if status == StatusCode::UNAUTHORIZED {
+            // One refused request per connection: a caller without a token cannot keep a
+            // connection sending bodies the server reads and drops.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response.extensions_mut().insert(ProblemCode(self.code));
         response
     }

@@ -336,7 +336,8 @@ fn bearer_tokens_namespaces_and_roles() {
 /// Found with Python's `http.client` (which sends its whole body before it reads the answer):
 /// a request without a token and with a body larger than the sockets' buffers got a broken pipe
 /// instead of the 401, because the server answered and closed with the body unread. The body
-/// of a refused request is now read beside the answer and dropped, as for a 413.
+/// of a refused request is now read beside the answer and dropped, as for a 413 (at most
+/// `body_bytes_max` of it), and the connection closes after the 401.
 #[test]
 fn a_client_that_sends_its_whole_body_first_gets_the_401() {
     use std::io::Read;
@@ -362,6 +363,11 @@ fn a_client_that_sends_its_whole_body_first_gets_the_401() {
     c.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     assert!(answer.contains("unauthorized"), "{answer}");
+    // One refused request per connection: no caller without a token keeps one sending bodies.
+    assert!(
+        answer.to_ascii_lowercase().contains("connection: close"),
+        "{answer}"
+    );
 }
 
 #[test]
