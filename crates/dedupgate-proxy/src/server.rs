@@ -191,15 +191,31 @@ async fn drain(mut body: Incoming) {
     }
 }
 
-/// The first transfer coding of a request other than `chunked`, if any (RFC 9112 6.1: a
-/// server answers 501 to a transfer coding it does not understand).
-fn unsupported_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
-    headers
+/// Whether a request's transfer codings are none or one `chunked`, the only ones the proxy
+/// can forward. Otherwise the status to answer: 501 for a coding it does not support
+/// (RFC 9112 6.1: a server answers 501 to a transfer coding it does not understand), 400 for
+/// `chunked` applied more than once (which RFC 9112 6.1 forbids; hyper would undo it once).
+fn transfer_codings_ok(headers: &http::HeaderMap) -> Result<(), (StatusCode, String)> {
+    let codings: Vec<String> = headers
         .get_all(header::TRANSFER_ENCODING)
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
         .map(|c| String::from_utf8_lossy(c).trim().to_ascii_lowercase())
-        .find(|c| !c.is_empty() && c != "chunked")
+        .filter(|c| !c.is_empty())
+        .collect();
+    if let Some(other) = codings.iter().find(|c| *c != "chunked") {
+        return Err((
+            StatusCode::NOT_IMPLEMENTED,
+            format!("the transfer coding {other:?} is not supported; only chunked is"),
+        ));
+    }
+    if codings.len() > 1 {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            "chunked is applied more than once (RFC 9112 6.1 forbids it)".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 async fn serve_one(
@@ -218,14 +234,10 @@ async fn serve_one(
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return Ok(res);
     }
-    if let Some(coding) = unsupported_transfer_coding(req.headers()) {
-        // hyper undoes `chunked` only: forwarded without its Transfer-Encoding header, a body
-        // still under another coding would reach the upstream as if it were plain bytes.
-        let mut res: Response<ProxyBody> = problem(
-            StatusCode::NOT_IMPLEMENTED,
-            "invalid_request",
-            format!("the transfer coding {coding:?} is not supported; only chunked is"),
-        );
+    if let Err((status, detail)) = transfer_codings_ok(req.headers()) {
+        // hyper undoes one `chunked` only: forwarded without its Transfer-Encoding header, a
+        // body still under another coding would reach the upstream as if it were plain bytes.
+        let mut res: Response<ProxyBody> = problem(status, "invalid_request", detail);
         res.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return Ok(res);

@@ -595,6 +595,16 @@ async fn malformed_and_smuggling_requests_are_refused() {
         assert!(reply.starts_with("HTTP/1.1 501"), "{head:?} -> {reply}");
         assert!(reply.contains("gzip"), "{reply}");
     }
+    // Chunked twice (one header or two): hyper would undo it once and forward the inner
+    // chunks as plain bytes (found by review). 400, nothing sent.
+    for head in [
+        "POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-twice\r\nTransfer-Encoding: chunked, chunked\r\n\r\n10\r\n5\r\nhello\r\n0\r\n\r\n\r\n0\r\n\r\n",
+        "PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    ] {
+        let reply = raw(h.proxy, head.as_bytes()).await;
+        assert!(reply.starts_with("HTTP/1.1 400"), "{head:?} -> {reply}");
+        assert!(reply.contains("more than once"), "{reply}");
+    }
     assert_eq!(
         h.api.counts.total(),
         1,
