@@ -8,10 +8,28 @@
 mod common;
 
 use std::collections::HashSet;
+use std::time::Duration;
 
-use dedupgate_core::{Claim, Mark, Op, Outcome, RecordId, State, Store};
+use dedupgate_core::{Claim, GateError, Mark, Op, Outcome, RecordId, State, Store};
 
 const KEYS: usize = 5_000;
+
+fn claim(fingerprint: Option<&str>, ttl_ms: u64, lease_ms: u64) -> Op {
+    Op::Claim {
+        ttl_ms,
+        lease_ms,
+        fingerprint: fingerprint.map(str::to_owned),
+        owner: None,
+    }
+}
+
+fn mark(fingerprint: Option<&str>) -> Op {
+    Op::Mark {
+        ttl_ms: 3_600_000,
+        fingerprint: fingerprint.map(str::to_owned),
+        result: None,
+    }
+}
 
 #[tokio::test]
 async fn a_batch_of_new_keys_answers_each_with_the_row_it_committed() {
@@ -94,6 +112,72 @@ async fn a_batch_of_new_keys_answers_each_with_the_row_it_committed() {
             match store.apply(id("mark", i), Op::Get).await {
                 Ok(Outcome::Found(Some(row))) => assert_eq!(row, record, "mark {i}"),
                 other => panic!("get mark {i}: {other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
+/// One batch of claims in which every path of `dedupgate_claim_distinct` answers at once: keys
+/// answered from the lock-free read (duplicates, mismatches), keys taken over under a lock (their
+/// records expired) and read back, and new keys answered as inserted. Each answer is its key's
+/// row, in the batch's order.
+#[tokio::test]
+async fn a_mixed_batch_answers_each_key_from_the_path_it_took() {
+    let url = common::url();
+    let schema = common::fresh_schema("batch_mixed");
+    let body_schema = schema.clone();
+    common::with_schema_dropped(&url.clone(), &schema, async move {
+        let store = common::open(&url, &body_schema, 2).await;
+        let id = |what: &str, i: usize| RecordId::new("mixed", format!("{what}-{i}")).unwrap();
+        const EACH: usize = 300;
+        let mut before = Vec::new();
+        for i in 0..EACH {
+            before.push((id("dup", i), mark(None)));
+            before.push((id("mm", i), mark(Some("a"))));
+            before.push((id("exp", i), claim(None, 1, 1)));
+        }
+        for (i, r) in store.apply_batch(before).await.into_iter().enumerate() {
+            assert!(r.is_ok(), "setup {i}: {r:?}");
+        }
+        // The claims of "exp" live 1 ms: let them expire on the database's clock.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+
+        let kinds = ["new", "dup", "exp", "mm"];
+        let ops: Vec<_> = (0..EACH)
+            .flat_map(|i| kinds.map(|k| (k, i)))
+            .map(|(k, i)| {
+                let fp = (k == "mm").then_some("b");
+                (id(k, i), claim(fp, 3_600_000, 60_000))
+            })
+            .collect();
+        let keys: Vec<_> = ops.iter().map(|(id, _)| id.clone()).collect();
+        let answers = store.apply_batch(ops).await;
+        assert_eq!(answers.len(), keys.len());
+        for (n, (key, answer)) in keys.into_iter().zip(answers).enumerate() {
+            let kind = kinds[n % kinds.len()];
+            let row = match store.apply(key.clone(), Op::Get).await {
+                Ok(Outcome::Found(Some(row))) => row,
+                other => panic!("get {key:?}: {other:?}"),
+            };
+            match (kind, answer) {
+                ("new" | "exp", Ok(Outcome::Claimed(Claim::New(lease)))) => {
+                    assert_eq!(row.state, State::InProgress, "{key:?}");
+                    assert_eq!(row.fence, lease.fence, "{key:?}: fence");
+                    assert_eq!(row.expires_at_ms, lease.expires_at_ms, "{key:?}");
+                    assert_eq!(
+                        row.lease_expires_at_ms,
+                        Some(lease.lease_expires_at_ms),
+                        "{key:?}"
+                    );
+                }
+                ("dup", Ok(Outcome::Claimed(Claim::Duplicate { record }))) => {
+                    assert_eq!(record, row, "{key:?}");
+                }
+                ("mm", Err(GateError::FingerprintMismatch)) => {
+                    assert_eq!(row.fingerprint.as_deref(), Some("a"), "{key:?} unchanged");
+                }
+                (kind, other) => panic!("{kind} {key:?}: {other:?}"),
             }
         }
     })
