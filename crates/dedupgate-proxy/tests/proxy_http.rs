@@ -585,25 +585,18 @@ async fn malformed_and_smuggling_requests_are_refused() {
         let reply = raw(h.proxy, bad.as_bytes()).await;
         assert!(reply.starts_with("HTTP/1.1 400"), "{bad:?} -> {reply}");
     }
-    // Chunked last, another coding before it (gated or not): hyper undoes only the chunks, so
-    // the body would reach the upstream still gzip-coded and unlabelled. 501, nothing sent.
-    for head in [
-        "POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-gzip\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
-        "PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    // Another coding before chunked (501), or chunked twice (400), in one header or two, gated
+    // or not: hyper undoes one `chunked` only, so the body would reach the upstream still coded
+    // and unlabelled (chunked twice: found by review). Nothing is sent.
+    for (head, status, says) in [
+        ("POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-gzip\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", "501", "gzip"),
+        ("PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "501", "gzip"),
+        ("POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-twice\r\nTransfer-Encoding: chunked, chunked\r\n\r\n10\r\n5\r\nhello\r\n0\r\n\r\n\r\n0\r\n\r\n", "400", "more than once"),
+        ("PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "400", "more than once"),
     ] {
         let reply = raw(h.proxy, head.as_bytes()).await;
-        assert!(reply.starts_with("HTTP/1.1 501"), "{head:?} -> {reply}");
-        assert!(reply.contains("gzip"), "{reply}");
-    }
-    // Chunked twice (one header or two): hyper would undo it once and forward the inner
-    // chunks as plain bytes (found by review). 400, nothing sent.
-    for head in [
-        "POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k-twice\r\nTransfer-Encoding: chunked, chunked\r\n\r\n10\r\n5\r\nhello\r\n0\r\n\r\n\r\n0\r\n\r\n",
-        "PUT /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-    ] {
-        let reply = raw(h.proxy, head.as_bytes()).await;
-        assert!(reply.starts_with("HTTP/1.1 400"), "{head:?} -> {reply}");
-        assert!(reply.contains("more than once"), "{reply}");
+        assert!(reply.starts_with(&format!("HTTP/1.1 {status}")), "{head:?} -> {reply}");
+        assert!(reply.contains(says), "{reply}");
     }
     assert_eq!(
         h.api.counts.total(),
