@@ -3,14 +3,18 @@
  * appends one line per durability-relevant event on a file under DEDUPGATE_SHIM_ROOT to
  * DEDUPGATE_SHIM_LOG (O_APPEND, one write(2) per line, so a SIGKILL never tears a line):
  *
- *   W <offset> <len> <path>   a write of <len> bytes at <offset> succeeded (not yet durable)
- *   S <size> <path>      fsync/fdatasync of a regular file succeeded; <size> bytes are durable
+ *   W <offset> <len> <ino> <path>   a write of <len> bytes at <offset> succeeded (not yet durable)
+ *   S <size> <ino> <path>   fsync/fdatasync of a regular file succeeded; <size> bytes are durable
  *   D <path>             fsync of a directory succeeded; its entries are durable
- *   C <path>             open(O_CREAT) created a file that did not exist
+ *   C <ino> <path>       open(O_CREAT) created a file that did not exist
  *   R <from>\t<to>       rename succeeded
  *   U <path>             unlink succeeded
- *   F <call> <errno> <path>   write/pwrite/writev/fsync/fdatasync failed (an injected fault,
- *                        when fiu sits behind this library in LD_PRELOAD)
+ *   F <call> <errno> <ino> <path>   write/pwrite/writev/fsync/fdatasync failed (an injected
+ *                        fault, when fiu sits behind this library in LD_PRELOAD)
+ *
+ * <ino> is the file's inode number (0 if fstat failed). Renames and unlinks made by raw system
+ * calls (rustix, which tempfile uses, does not go through libc) never reach this library; the
+ * inode lets the harness see that a path now names a file it knew under another name.
  *
  * It also narrows a fault injector loaded after it (fiu's posix preload): a write, pwrite,
  * writev, fsync or fdatasync on a file under the root goes to the next library in LD_PRELOAD
@@ -137,6 +141,12 @@ static void *pick(int fd, void **next, void **libc, const char *name) {
     return (log_fd >= 0 && fd_path(fd, p)) ? *next : *libc;
 }
 
+/* The inode of fd, 0 when unknown. */
+static unsigned long long fd_ino(int fd) {
+    struct stat st;
+    return fstat(fd, &st) == 0 ? (unsigned long long)st.st_ino : 0;
+}
+
 static void after_sync(int fd, int rc, const char *call) {
     char p[PATH_MAX];
     init();
@@ -144,12 +154,13 @@ static void after_sync(int fd, int rc, const char *call) {
     int saved = errno;
     if (!fd_path(fd, p)) { errno = saved; return; }
     if (rc != 0) {
-        emit("F %s %d %s\n", call, saved, p);
+        emit("F %s %d %llu %s\n", call, saved, fd_ino(fd), p);
     } else {
         struct stat st;
         if (fstat(fd, &st) == 0) {
             if (S_ISDIR(st.st_mode)) emit("D %s\n", p);
-            else if (S_ISREG(st.st_mode)) emit("S %lld %s\n", (long long)st.st_size, p);
+            else if (S_ISREG(st.st_mode))
+                emit("S %lld %llu %s\n", (long long)st.st_size, (unsigned long long)st.st_ino, p);
         }
     }
     errno = saved;
@@ -162,10 +173,11 @@ static void after_write(int fd, ssize_t rc, long long off, const char *call) {
     if (log_fd < 0 || fd == log_fd) return;
     int saved = errno;
     if (rc < 0) {
-        if (saved != EAGAIN && saved != EINTR && fd_path(fd, p)) emit("F %s %d %s\n", call, saved, p);
+        if (saved != EAGAIN && saved != EINTR && fd_path(fd, p))
+            emit("F %s %d %llu %s\n", call, saved, fd_ino(fd), p);
     } else if (rc > 0 && fd_path(fd, p)) {
         if (off < 0) off = (long long)lseek(fd, 0, SEEK_CUR) - rc;
-        emit("W %lld %lld %s\n", off, (long long)rc, p);
+        emit("W %lld %lld %llu %s\n", off, (long long)rc, fd_ino(fd), p);
     }
     errno = saved;
 }
@@ -243,7 +255,7 @@ static int do_open(int dirfd, const char *path, int flags, mode_t mode, int at, 
     }
     if (tracked && rc >= 0 && !existed) {
         int saved = errno;
-        emit("C %s\n", p);
+        emit("C %llu %s\n", fd_ino(rc), p);
         errno = saved;
     }
     return rc;

@@ -411,6 +411,55 @@ struct FileState {
     dirty: Vec<(u64, u64)>,
     /// Written before a failed sync: lost whatever syncs follow.
     poisoned: Vec<(u64, u64)>,
+    /// The file's inode, once a line of the log named it.
+    ino: Option<u64>,
+}
+
+/// Makes `path`'s state the state of inode `ino` before a line about that file is applied.
+/// Renames made by raw system calls (tempfile renames through rustix, not libc) never reach the
+/// shim's log: the first line about the file under its new name then carries an inode the model
+/// knows under the old name (`levels` rewritten through a temporary file, whose sync after the
+/// rename failed, was otherwise cut to the old file's synced size). That state moves to `path`,
+/// and the rename is kept, one outcome a real power loss may have; the file it replaced is gone.
+/// A file under `path` that the model never saw is trusted as it is (nothing is cut from it).
+fn follow_inode(files: &mut BTreeMap<PathBuf, FileState>, path: &Path, ino: u64) {
+    if ino == 0 || files.get(path).is_some_and(|f| f.ino == Some(ino)) {
+        return;
+    }
+    let moved = files
+        .iter()
+        .find(|(p, f)| f.ino == Some(ino) && p.as_path() != path)
+        .map(|(p, _)| p.clone());
+    if let Some(from) = moved {
+        let mut f = files.remove(&from).expect("listed");
+        f.entry_durable = true;
+        f.origin = None;
+        f.replaced = false;
+        files.insert(path.to_owned(), f);
+        return;
+    }
+    match files.get_mut(path) {
+        // A file from the baseline snapshot, or named before its inode was logged.
+        Some(f) if f.ino.is_none() => f.ino = Some(ino),
+        Some(f) => {
+            *f = FileState {
+                durable_size: u64::MAX,
+                entry_durable: true,
+                origin: None,
+                replaced: false,
+                dirty: vec![],
+                poisoned: vec![],
+                ino: Some(ino),
+            }
+        }
+        None => {}
+    }
+}
+
+/// Splits a log line's `<ino> <path>` tail.
+fn ino_and_path(rest: &str) -> Option<(u64, &Path)> {
+    let (ino, p) = rest.split_once(' ')?;
+    Some((ino.parse().ok()?, Path::new(p)))
 }
 
 /// Every regular file under `root` with its size: the durable state at the start of a gate
@@ -462,17 +511,19 @@ pub fn simulate_power_loss(
                     replaced: false,
                     dirty: vec![],
                     poisoned: vec![],
+                    ino: None,
                 },
             )
         })
         .collect();
-    let fresh = |durable: bool| FileState {
+    let fresh = |durable: bool, ino: u64| FileState {
         durable_size: 0,
         entry_durable: durable,
         origin: None,
         replaced: false,
         dirty: vec![],
         poisoned: vec![],
+        ino: (ino != 0).then_some(ino),
     };
     // Directory renames not yet made durable: (from, to).
     let mut dir_renames: Vec<(PathBuf, PathBuf)> = vec![];
@@ -485,31 +536,42 @@ pub fn simulate_power_loss(
         let (tag, rest) = line.split_once(' ').unwrap_or((line, ""));
         match tag {
             "C" => {
-                files.insert(PathBuf::from(rest), fresh(false));
+                let Some((ino, p)) = ino_and_path(rest) else {
+                    continue;
+                };
+                // A new file under an inode number the model still knows: that file is gone.
+                files.retain(|_, f| ino == 0 || f.ino != Some(ino));
+                files.insert(p.to_owned(), fresh(false, ino));
             }
             "W" => {
                 let mut it = rest.splitn(3, ' ');
-                let (Some(off), Some(len), Some(p)) = (it.next(), it.next(), it.next()) else {
+                let (Some(off), Some(len), Some(tail)) = (it.next(), it.next(), it.next()) else {
                     continue;
                 };
-                let (Ok(off), Ok(len)) = (off.parse::<u64>(), len.parse::<u64>()) else {
+                let (Ok(off), Ok(len), Some((ino, p))) =
+                    (off.parse::<u64>(), len.parse::<u64>(), ino_and_path(tail))
+                else {
                     continue;
                 };
+                follow_inode(&mut files, p, ino);
                 files
-                    .entry(PathBuf::from(p))
-                    .or_insert_with(|| fresh(true))
+                    .entry(p.to_owned())
+                    .or_insert_with(|| fresh(true, ino))
                     .dirty
                     .push((off, len));
             }
             "S" => {
                 st.syncs_logged += 1;
-                let Some((size, p)) = rest.split_once(' ') else {
+                let Some((size, tail)) = rest.split_once(' ') else {
                     continue;
                 };
-                let Ok(size) = size.parse::<u64>() else {
+                let (Ok(size), Some((ino, p))) = (size.parse::<u64>(), ino_and_path(tail)) else {
                     continue;
                 };
-                let f = files.entry(PathBuf::from(p)).or_insert_with(|| fresh(true));
+                follow_inode(&mut files, p, ino);
+                let f = files
+                    .entry(p.to_owned())
+                    .or_insert_with(|| fresh(true, ino));
                 f.durable_size = size;
                 f.dirty.clear();
             }
@@ -555,11 +617,14 @@ pub fn simulate_power_loss(
             }
             "F" => {
                 let mut it = rest.splitn(3, ' ');
-                let (Some(call), Some(_errno), Some(p)) = (it.next(), it.next(), it.next()) else {
+                let (Some(call), Some(_errno), Some((ino, p))) =
+                    (it.next(), it.next(), it.next().and_then(ino_and_path))
+                else {
                     continue;
                 };
+                follow_inode(&mut files, p, ino);
                 if call == "fsync" || call == "fdatasync" {
-                    if let Some(f) = files.get_mut(Path::new(p)) {
+                    if let Some(f) = files.get_mut(p) {
                         let lost: Vec<(u64, u64)> = f.dirty.drain(..).collect();
                         f.poisoned.extend(lost);
                     }
@@ -792,9 +857,9 @@ mod tests {
         std::fs::write(
             &log,
             format!(
-                "W 100 50 {r}/old\nS 150 {r}/old\nW 150 30 {r}/old\nC {r}/new\nW 0 3 {r}/new\n\
-                 S 3 {r}/new\nC {r}/sub/kept\nW 0 6 {r}/sub/kept\nS 6 {r}/sub/kept\nD {r}/sub\n\
-                 W 2 2 {r}/sub/kept\n"
+                "W 100 50 1 {r}/old\nS 150 1 {r}/old\nW 150 30 1 {r}/old\nC 2 {r}/new\n\
+                 W 0 3 2 {r}/new\nS 3 2 {r}/new\nC 3 {r}/sub/kept\nW 0 6 3 {r}/sub/kept\n\
+                 S 6 3 {r}/sub/kept\nD {r}/sub\nW 2 2 3 {r}/sub/kept\n"
             ),
         )
         .unwrap();
@@ -806,6 +871,39 @@ mod tests {
         assert_eq!(st.bytes_cut, 30);
         assert_eq!(st.files_removed, 1);
         assert_eq!(st.bytes_zeroed, 2);
+    }
+
+    /// Regression: lsm-tree rewrites `levels` through a temporary file that tempfile renames
+    /// with a raw system call (rustix), which the shim never sees. When the sync of `levels`
+    /// after that rename failed, the model cut the new `levels` to the old one's synced size,
+    /// and the store would not open ("failed to fill whole buffer"; a CI flake of
+    /// `what_a_failed_fsync_did_not_write_takes_nothing_acknowledged_with_it`). The inode on
+    /// each line shows the file under its new name; it keeps its own synced size.
+    #[test]
+    fn a_rename_the_log_never_saw_keeps_the_file_it_moved() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let levels = root.join("levels");
+        let temp = root.join(".tmpX");
+        std::fs::write(&temp, vec![5u8; 57]).unwrap();
+        std::fs::rename(&temp, &levels).unwrap();
+        let log = root
+            .join("..")
+            .join(format!("log-ino-{}", std::process::id()));
+        let (l, t) = (levels.display(), temp.display());
+        std::fs::write(
+            &log,
+            format!(
+                "C 10 {l}\nW 0 49 10 {l}\nS 49 10 {l}\nD {r}\nC 11 {t}\nW 0 57 11 {t}\n\
+                 S 57 11 {t}\nF fsync 5 11 {l}\n",
+                r = root.display()
+            ),
+        )
+        .unwrap();
+        let st = simulate_power_loss(&log, &BTreeMap::new()).unwrap();
+        let _ = std::fs::remove_file(&log);
+        assert_eq!(std::fs::read(&levels).unwrap(), vec![5u8; 57]);
+        assert_eq!(st.bytes_cut, 0);
     }
 
     #[test]
