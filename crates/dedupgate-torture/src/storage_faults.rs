@@ -415,6 +415,21 @@ struct FileState {
     ino: Option<u64>,
 }
 
+impl FileState {
+    /// A file with nothing written since its last sync: `durable_size` bytes durable.
+    fn settled(durable_size: u64, entry_durable: bool, ino: Option<u64>) -> Self {
+        Self {
+            durable_size,
+            entry_durable,
+            origin: None,
+            replaced: false,
+            dirty: vec![],
+            poisoned: vec![],
+            ino,
+        }
+    }
+}
+
 /// Makes `path`'s state the state of inode `ino` before a line about that file is applied.
 /// Renames made by raw system calls (tempfile renames through rustix, not libc) never reach the
 /// shim's log: the first line about the file under its new name then carries an inode the model
@@ -441,17 +456,7 @@ fn follow_inode(files: &mut BTreeMap<PathBuf, FileState>, path: &Path, ino: u64)
     match files.get_mut(path) {
         // A file from the baseline snapshot, or named before its inode was logged.
         Some(f) if f.ino.is_none() => f.ino = Some(ino),
-        Some(f) => {
-            *f = FileState {
-                durable_size: u64::MAX,
-                entry_durable: true,
-                origin: None,
-                replaced: false,
-                dirty: vec![],
-                poisoned: vec![],
-                ino: Some(ino),
-            }
-        }
+        Some(f) => *f = FileState::settled(u64::MAX, true, Some(ino)),
         None => {}
     }
 }
@@ -501,30 +506,9 @@ pub fn simulate_power_loss(
     let mut st = LossStats::default();
     let mut files: BTreeMap<PathBuf, FileState> = baseline
         .iter()
-        .map(|(p, size)| {
-            (
-                p.clone(),
-                FileState {
-                    durable_size: *size,
-                    entry_durable: true,
-                    origin: None,
-                    replaced: false,
-                    dirty: vec![],
-                    poisoned: vec![],
-                    ino: None,
-                },
-            )
-        })
+        .map(|(p, size)| (p.clone(), FileState::settled(*size, true, None)))
         .collect();
-    let fresh = |durable: bool, ino: u64| FileState {
-        durable_size: 0,
-        entry_durable: durable,
-        origin: None,
-        replaced: false,
-        dirty: vec![],
-        poisoned: vec![],
-        ino: (ino != 0).then_some(ino),
-    };
+    let fresh = |durable: bool, ino: u64| FileState::settled(0, durable, (ino != 0).then_some(ino));
     // Directory renames not yet made durable: (from, to).
     let mut dir_renames: Vec<(PathBuf, PathBuf)> = vec![];
     let text = match std::fs::read_to_string(log) {
