@@ -5,7 +5,9 @@
 //!
 //! Environment: `DG_BENCH_DIR` (where the stores and the fsync file live; default: the system's
 //! temporary directory), `DG_BENCH_SECS` (seconds per scenario, default 2),
-//! `DG_BENCH_REDIS` (`host:port`, default `127.0.0.1:6379`; `off` skips it).
+//! `DG_BENCH_REDIS` (`host:port`, default `127.0.0.1:6379`; `off` skips it), `DG_BENCH_ONLY`
+//! (`engines`: the baselines, the ceiling and the engine comparison; `ceiling`: the baselines and
+//! the ceiling only).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -20,6 +22,8 @@ use redb::{
     Database, Durability, ReadableTable, ReadableTableMetadata, TableDefinition, WriteTransaction,
 };
 
+#[path = "engines/ceiling.rs"]
+mod ceiling;
 #[path = "engines/wal_redb.rs"]
 mod wal_redb;
 use wal_redb::WalRedbEngine;
@@ -667,7 +671,9 @@ fn main() {
         .build()
         .unwrap();
 
-    let only_engines = std::env::var("DG_BENCH_ONLY").is_ok_and(|v| v == "engines");
+    let only = std::env::var("DG_BENCH_ONLY").unwrap_or_default();
+    let only_engines = only == "engines";
+    let only_ceiling = only == "ceiling";
     eprintln!("baselines…");
     let fsync = fsync_rate(&dir, secs);
     let sqlite = sqlite_per_key_rate(&dir, secs.max(3.0));
@@ -677,10 +683,16 @@ fn main() {
         redis_set_nx_rate(&redis)
     };
 
+    eprintln!("group-commit ceiling…");
+    let mut ceilings = Vec::new();
+    for journal in [ceiling::Journal::Appended, ceiling::Journal::PreWritten] {
+        ceilings.push((journal, ceiling::run(&rt, &dir, journal, 64, secs)));
+    }
+
     let mut rows = Vec::new();
     let mut embedded_64_unique = 0.0;
     let mut commits_note = String::new();
-    let store_names: &[&str] = if only_engines {
+    let store_names: &[&str] = if only_engines || only_ceiling {
         &[]
     } else {
         &["memory", "embedded"]
@@ -726,7 +738,8 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let mut engines: Vec<(&str, usize, Vec<Figures>)> = Vec::new();
-    for tasks in [1usize, 64] {
+    let engine_tasks: &[usize] = if only_ceiling { &[] } else { &[1, 64] };
+    for &tasks in engine_tasks {
         for engine in [
             "shipped (fjall)",
             "fjall Batch::commit",
@@ -802,6 +815,21 @@ fn main() {
         ),
         Err(e) => println!("| redis-benchmark SET NX EX | n/a: {e} |"),
     }
+    println!(
+        "\n### Group-commit ceiling, same run: 64 callers, no engine, one 64-byte record per \
+         answer, one pwrite + fdatasync per commit\n"
+    );
+    println!("| journal | acks/s | acks per sync | vs SQLite one txn per key |");
+    println!("|---|---:|---:|---:|");
+    for (journal, c) in &ceilings {
+        println!(
+            "| {} | {:.0} | {:.1} | {:.1}x |",
+            journal.label(),
+            c.acks_per_sec,
+            c.acks_per_sync,
+            c.acks_per_sec / sqlite
+        );
+    }
     println!("\n### Engines under the same group-commit writer (unique keys)\n");
     println!("| engine | tasks | claims/s (median of {rounds}) | each round | p50 µs | p99 µs |");
     println!("|---|---:|---:|---|---:|---:|");
@@ -825,6 +853,14 @@ fn main() {
         "- vs SQLite one txn per key: {:.1}x (target ≥ 50x)",
         embedded_64_unique / sqlite
     );
+    for (journal, c) in &ceilings {
+        println!(
+            "- the group-commit ceiling ({}, no engine): {:.0} acks/s, {:.1}x SQLite",
+            journal.label(),
+            c.acks_per_sec,
+            c.acks_per_sec / sqlite
+        );
+    }
     match redis_rate {
         Ok(r) => println!(
             "- vs Redis SET NX EX: {:.2}x (target ≥ 1x)",
