@@ -1,8 +1,9 @@
 //! The group-commit ceiling: how many durable acknowledgements closed-loop callers can get from
 //! this disk when nothing but the commit itself is done. No engine, no decision, no index: each
 //! caller sends a 64-byte record to one writer thread and waits; the writer drains the queue
-//! (waiting, like the store's writer, up to 300 µs for as many callers as its last commit
-//! answered), writes every record with one `pwrite`, `fdatasync`s once, and answers them all.
+//! (waiting up to 300 µs for as many callers as its last commit answered), writes every record
+//! with one `pwrite` of whole pages, `fdatasync`s once, and hands the answers to a thread that
+//! wakes the callers (as the store's writer does).
 //!
 //! Two journals: one that grows (appended records, as fjall's journal grows into its sparse
 //! file), and one that only overwrites blocks written and synced before the run (as SQLite's
@@ -18,6 +19,8 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Bytes each caller's record takes in the journal.
 const RECORD_BYTES: usize = 64;
+/// Each commit writes whole pages.
+const PAGE_BYTES: usize = 4096;
 /// Size of the pre-written journal; writes wrap around inside it.
 const PREWRITTEN_BYTES: u64 = 64 << 20;
 /// Longest the writer waits to gather the callers its last commit answered.
@@ -72,6 +75,14 @@ pub fn run(
     }
     let (tx, mut rx) = mpsc::channel::<Request>(4096);
     let writer = std::thread::spawn(move || {
+        let (answers, answered) = std::sync::mpsc::channel::<Vec<oneshot::Sender<()>>>();
+        let answerer = std::thread::spawn(move || {
+            while let Ok(replies) = answered.recv() {
+                for reply in replies {
+                    let _ = reply.send(());
+                }
+            }
+        });
         let mut batch: Vec<Request> = Vec::new();
         let mut buf: Vec<u8> = Vec::new();
         let (mut offset, mut syncs, mut acks, mut last) = (0u64, 0u64, 0u64, 0usize);
@@ -93,6 +104,8 @@ pub fn run(
             for (record, _) in &batch {
                 buf.extend_from_slice(record);
             }
+            // Whole pages, so that no sync rewrites a page the previous one already wrote.
+            buf.resize(buf.len().div_ceil(PAGE_BYTES) * PAGE_BYTES, 0);
             if let Journal::PreWritten = journal {
                 if offset + buf.len() as u64 > PREWRITTEN_BYTES {
                     offset = 0;
@@ -104,10 +117,12 @@ pub fn run(
             syncs += 1;
             acks += batch.len() as u64;
             last = batch.len();
-            for (_, reply) in batch.drain(..) {
-                let _ = reply.send(());
-            }
+            // Waking the callers is left to another thread, as the store's writer does, so the
+            // writer can gather the first of them while the rest are woken.
+            let _ = answers.send(batch.drain(..).map(|(_, reply)| reply).collect());
         }
+        drop(answers);
+        let _ = answerer.join();
         (syncs, acks)
     });
     let started = Instant::now();
