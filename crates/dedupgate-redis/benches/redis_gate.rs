@@ -4,11 +4,11 @@
 //! `cargo bench -p dedupgate-redis` prints a markdown table. Figures, not assertions: the
 //! targets (per-op time at most 1.5x raw, batch rate at least 5x raw) are reported as ratios
 //! against the mean of two raw `-P 1` runs at the same concurrency (one first, one last).
-//! `DG_BENCH_OPS` sets the operations per row (default 200000; batch rows claim several times
-//! as many keys so that they last as long). Batch rows of fresh keys take the store's native
-//! fast path (`SET … NX GET` per key, no script); the single-op row takes the script. Each row
-//! starts from an empty keyspace (`FLUSHALL`), after one run of the gate has grown the server's
-//! memory to the largest row's size.
+//! `DG_BENCH_OPS` sets the keys every row claims or sets (default 600000). Batch rows of fresh
+//! keys take the store's native fast path (`SET … NX GET` per key, no script); the single-op row
+//! takes the script. Every row starts from an empty keyspace (`FLUSHALL`), after one run of the
+//! gate has grown the server's memory, and inserts as many fresh keys: the same work for Redis
+//! in every row.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,8 +20,8 @@ use dedupgate_redis::testkit::RedisServer;
 use dedupgate_redis::RedisStore;
 
 const CONCURRENCY: usize = 50;
-/// Batch rows: ops per `apply_batch` call, and how many times `DG_BENCH_OPS` keys the row claims.
-const BATCHES: [(usize, usize); 2] = [(100, 4), (1000, 8)];
+/// Batch rows: ops per `apply_batch` call.
+const BATCHES: [usize; 2] = [100, 1000];
 /// Pipeline depth of the raw "no round trips" row, shown for scale only.
 const RAW_PIPELINE: usize = 100;
 
@@ -176,7 +176,7 @@ fn main() {
     let ops: usize = std::env::var("DG_BENCH_OPS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(200_000);
+        .unwrap_or(600_000);
     let server = RedisServer::start(&["--appendonly", "no"]).expect("start redis-server");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -197,13 +197,12 @@ fn main() {
     raw_set_nx(server.port(), 10_000, 1);
     rt.block_on(gate(store.clone(), 10_000, 1, "warm-up"));
     let mut costs = Vec::new();
-    // Every row starts from the same state: an empty keyspace, in a server whose allocator has
-    // already grown to hold the largest row. Otherwise each row inherits the keys of the rows
-    // before it, and whichever row happens to grow Redis's hash tables through a doubling pays
-    // for the rehashing and the fresh pages; the figures then depend on the order of the rows.
-    // (The gate's records are the larger, so the gate grows it.)
-    let largest = ops * BATCHES.iter().map(|&(_, times)| times).max().unwrap_or(1);
-    rt.block_on(gate(store.clone(), largest, 1000, "grow"));
+    // Every row starts from the same state (an empty keyspace, in a server whose allocator has
+    // already grown to hold a row) and inserts as many keys. Otherwise each row inherits the
+    // keys of the rows before it, and whichever row happens to grow Redis's hash tables through
+    // a doubling pays for the rehashing and the fresh pages; the figures then depend on the
+    // order of the rows. (The gate's records are the larger, so the gate grows it.)
+    rt.block_on(gate(store.clone(), ops, 1000, "grow"));
     let mut phase = |run: &mut dyn FnMut() -> Row| {
         server.cli(&["FLUSHALL", "SYNC"]).expect("FLUSHALL");
         let _ = server.cli(&["CONFIG", "RESETSTAT"]);
@@ -253,26 +252,26 @@ fn main() {
     });
     let batched: Vec<Row> = BATCHES
         .iter()
-        .map(|&(size, times)| {
+        .map(|&size| {
             phase(&mut || {
                 rt.block_on(gate(
                     store.clone(),
-                    ops * times,
+                    ops,
                     size,
                     &format!("gate claim, batches of {size} ({CONCURRENCY} tasks)"),
                 ))
             })
         })
         .collect();
-    let pipelined = phase(&mut || raw_set_nx(server.port(), ops * 4, RAW_PIPELINE));
+    let pipelined = phase(&mut || raw_set_nx(server.port(), ops, RAW_PIPELINE));
     let raw2 = phase(&mut || raw_set_nx(server.port(), ops, 1));
     let raw_rate = (raw1.ops_per_s + raw2.ops_per_s) / 2.0;
 
     println!(
-        "\nRedis {} on 127.0.0.1, {} ops per row (batch rows: {:?} x), concurrency {CONCURRENCY}\n",
+        "\nRedis {} on 127.0.0.1, {} fresh keys per row, each row from an empty keyspace, \
+         concurrency {CONCURRENCY}\n",
         version(),
         ops,
-        BATCHES.map(|(size, times)| (size, times)),
     );
     println!("| path | keys/s | p50 ms (per call) | p99 ms (per call) | vs raw -P 1 |");
     println!("|---|---:|---:|---:|---:|");
