@@ -101,8 +101,9 @@ pub enum RunError<E> {
         /// Why the release failed.
         release: GateError,
     },
-    /// The handler succeeded but its completion was not recorded (lease lost or store down):
-    /// another worker may run it again once the lease runs out.
+    /// The handler succeeded but its completion was not recorded (lease lost, or the store
+    /// still down after the completion was asked again for about 2 s): another worker may run
+    /// it again once the lease runs out.
     #[error("handler ran but its completion was not recorded: {error}")]
     Unrecorded {
         /// Why the completion failed.
@@ -371,8 +372,11 @@ impl Gate {
                 match outcome {
                     Ok(value) => {
                         let stored = serde_json::to_value(&value).ok();
-                        match self.complete(namespace, key, &lease.token, stored).await {
-                            Ok(_) => Ok(Run::Ran(value)),
+                        match self
+                            .complete_retried(namespace, key, &lease.token, stored)
+                            .await
+                        {
+                            Ok(()) => Ok(Run::Ran(value)),
                             Err(error) => Err(RunError::Unrecorded { error }),
                         }
                     }
@@ -381,6 +385,31 @@ impl Gate {
                         Err(release) => Err(RunError::HandlerUnreleased { error: e, release }),
                     },
                 }
+            }
+        }
+    }
+
+    /// Completes a claim whose handler succeeded, asking again (after each of
+    /// [`COMPLETE_RETRY_DELAYS`]) while the store is unavailable. A completion with the current
+    /// token is safe to repeat, also after its first answer was lost, and even after the lease
+    /// time has passed as long as nobody took the key over (API.md); giving up leaves the key in
+    /// progress until its lease runs out, after which a redelivery runs the handler again.
+    async fn complete_retried(
+        &self,
+        namespace: &str,
+        key: &str,
+        token: &Token,
+        result: Option<serde_json::Value>,
+    ) -> Result<(), GateError> {
+        let mut delays = COMPLETE_RETRY_DELAYS.iter();
+        loop {
+            match self.complete(namespace, key, token, result.clone()).await {
+                Ok(_) => return Ok(()),
+                Err(GateError::Store(StoreError::Unavailable(why))) => match delays.next() {
+                    Some(delay) => tokio::time::sleep(*delay).await,
+                    None => return Err(GateError::Store(StoreError::Unavailable(why))),
+                },
+                Err(other) => return Err(other),
             }
         }
     }
@@ -410,6 +439,15 @@ impl Gate {
     }
 }
 
+/// The waits before [`Gate::run_with`] asks an unavailable store again to record a completed
+/// run: about 2 s in all, well inside the default 30 s lease.
+const COMPLETE_RETRY_DELAYS: [Duration; 4] = [
+    Duration::from_millis(50),
+    Duration::from_millis(200),
+    Duration::from_millis(500),
+    Duration::from_millis(1_000),
+];
+
 fn unexpected(outcome: Outcome) -> GateError {
     // A store that answers an op with another op's outcome is broken; fail closed.
     GateError::Store(StoreError::Corrupt(format!(
@@ -421,7 +459,74 @@ fn unexpected(outcome: Outcome) -> GateError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::StoreStats;
     use crate::MemoryStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// The memory store, but its first `down` completions answer "unavailable" (a store outage
+    /// at the moment a handler finishes).
+    struct CompletionsDown {
+        inner: MemoryStore,
+        down: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for CompletionsDown {
+        async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+            if matches!(op, Op::Complete { .. })
+                && self
+                    .down
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                return Err(StoreError::Unavailable("down for this test".into()).into());
+            }
+            self.inner.apply(id, op).await
+        }
+        async fn health(&self) -> Result<(), StoreError> {
+            self.inner.health().await
+        }
+        async fn sweep_expired(&self, batch_max: usize) -> Result<u64, StoreError> {
+            self.inner.sweep_expired(batch_max).await
+        }
+        async fn stats(&self) -> Result<StoreStats, StoreError> {
+            self.inner.stats().await
+        }
+        fn describe(&self) -> String {
+            "memory, completions down".into()
+        }
+    }
+
+    /// A store outage when the handler finishes must not cost the run its record: the
+    /// completion is asked again, and only an outage longer than the retries is `Unrecorded`.
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_the_store_could_not_answer_is_asked_again() {
+        let down = |n| CompletionsDown {
+            inner: MemoryStore::new(),
+            down: AtomicUsize::new(n),
+        };
+        let ok = || async { Ok::<_, &str>(7u8) };
+        let gate = Gate::new(down(COMPLETE_RETRY_DELAYS.len()));
+        let r = gate.run("jobs", "a", Mode::Retriable, ok).await;
+        assert!(matches!(r, Ok(Run::Ran(7))), "{r:?}");
+        let record = gate.get("jobs", "a").await.unwrap().expect("recorded");
+        assert_eq!(record.state, crate::State::Completed);
+        assert_eq!(record.result, Some(serde_json::json!(7)));
+
+        let gate = Gate::new(down(COMPLETE_RETRY_DELAYS.len() + 1));
+        let r = gate.run("jobs", "b", Mode::Retriable, ok).await;
+        assert!(
+            matches!(
+                r,
+                Err(RunError::Unrecorded {
+                    error: GateError::Store(StoreError::Unavailable(_))
+                })
+            ),
+            "{r:?}"
+        );
+        let record = gate.get("jobs", "b").await.unwrap().expect("still claimed");
+        assert_eq!(record.state, crate::State::InProgress);
+    }
 
     /// A retriable handler's failure says whether its claim was released: when the release
     /// fails (here the record was forgotten under the holder), the caller must not be told the
