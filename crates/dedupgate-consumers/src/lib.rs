@@ -29,7 +29,8 @@
 //! | retriable handler failed on delivery `max_attempts` (when set, and the broker counts deliveries) | the claim is released; reject without requeue (dead-letter / term), logged with the error |
 //! | idempotent handler failed | reject without requeue (dead-letter / term): never retried |
 //! | no usable key, or the key was seen with another payload | reject without requeue, logged with the reason |
-//! | the gate could not decide, or could not record a completed run | retry after the unavailable delay; never ack |
+//! | the gate could not decide (the handler did not run) | retry after the unavailable delay; never ack |
+//! | the handler ran, but its completion could not be recorded (the store stayed down while the gate asked again for ~2 s, or the lease was lost) | ack, logged as an error: a redelivery would find the key still held and run the handler again once the lease ran out |
 //!
 //! The failure delay grows with the broker's delivery count `n` (JetStream: the message's
 //! `delivered`; RabbitMQ: `x-delivery-count`, which quorum queues set, or the `rejected` counts of
@@ -41,8 +42,11 @@
 //! apply. `max_attempts` is unset by default: a rejected message is dropped by a queue without a
 //! dead-letter exchange, so giving up is the user's choice ([`ConsumerGate::max_attempts`]).
 //!
-//! The fingerprint of every delivery is the SHA-256 of its payload bytes, so a message id reused
-//! for another payload is rejected instead of being taken for a duplicate.
+//! When the key is the message id, the delivery's fingerprint is the SHA-256 of its payload
+//! bytes, so a message id reused for another payload is rejected instead of being taken for a
+//! duplicate. A key template makes the key from the payload, and events it maps to one key are
+//! duplicates by design even when the rest of the payload differs (`{ts|window:5m}` merges the
+//! events of five minutes), so template keys carry no fingerprint.
 //!
 //! Every claim names an owner unique to the delivery attempt (`host:pid/nonce-seq`, or
 //! [`ConsumerGate::worker`]`/nonce-seq`), so a duplicate finding the key in progress says who
@@ -75,6 +79,10 @@ pub mod rabbitmq;
 
 /// Default wait before a duplicate whose key another consumer holds is delivered again.
 pub const IN_PROGRESS_RETRY_DEFAULT: Duration = Duration::from_secs(1);
+/// Shortest wait before a duplicate of a key held elsewhere is delivered again, however little
+/// of the holder's lease this host thinks is left (unless the in-progress delay itself is
+/// shorter).
+pub const IN_PROGRESS_RETRY_FLOOR: Duration = Duration::from_millis(100);
 /// Default wait before a delivery the gate could not decide is delivered again.
 pub const UNAVAILABLE_RETRY_DEFAULT: Duration = Duration::from_secs(1);
 /// Default wait after a retriable handler's first failure (see [`FailureRetry`]).
@@ -292,15 +300,16 @@ pub enum Handled<T, E> {
         /// held until its lease runs out).
         unreleased: Option<GateError>,
     },
-    /// The handler ran but the gate could not record its completion (store down, lease lost):
-    /// the message is retried, so the handler may run again once the lease runs out.
+    /// The handler ran but the gate could not record its completion (the store stayed down
+    /// while the gate asked again, or the lease was lost). The message is acked: the work is
+    /// done, and a redelivery would only run it again once the lease ran out. A copy of the
+    /// message published again after that (the record is still in progress, then expired)
+    /// would run it again; logged as an error.
     Unrecorded {
         /// The key.
         key: String,
         /// Why the completion failed.
         error: GateError,
-        /// When to deliver it again.
-        retry_after: Duration,
     },
     /// The gate could not decide; the handler did not run. Retried, never acked.
     Unavailable {
@@ -319,7 +328,9 @@ impl<T, E> Handled<T, E> {
     /// What the broker must do with the delivery.
     pub fn action(&self) -> Action {
         match self {
-            Handled::Ran { .. } | Handled::Duplicate { .. } => Action::Ack,
+            Handled::Ran { .. } | Handled::Duplicate { .. } | Handled::Unrecorded { .. } => {
+                Action::Ack
+            }
             Handled::InProgress { retry_after, .. } => Action::Retry {
                 after: *retry_after,
                 failure: false,
@@ -334,12 +345,10 @@ impl<T, E> Handled<T, E> {
             Handled::Failed {
                 retry_after: None, ..
             } => Action::Reject,
-            Handled::Unrecorded { retry_after, .. } | Handled::Unavailable { retry_after, .. } => {
-                Action::Retry {
-                    after: *retry_after,
-                    failure: false,
-                }
-            }
+            Handled::Unavailable { retry_after, .. } => Action::Retry {
+                after: *retry_after,
+                failure: false,
+            },
             Handled::Rejected(_) => Action::Reject,
         }
     }
@@ -425,7 +434,11 @@ impl<T, E: fmt::Display> fmt::Display for Handled<T, E> {
                 }
             }
             Handled::Unrecorded { key, error, .. } => {
-                write!(f, "{key}: ran, completion not recorded, retried: {error}")
+                write!(
+                    f,
+                    "{key}: ran, but its completion was not recorded, acked (a copy of the message \
+                     that comes after the lease runs out would run again): {error}"
+                )
             }
             Handled::Unavailable { key, error, .. } => {
                 write!(f, "{key}: gate unavailable, retried: {error}")
@@ -518,16 +531,19 @@ impl ConsumerGate {
     }
 
     /// How long a duplicate of a key held by another consumer waits before it is delivered
-    /// again (capped by the holder's remaining lease).
-    pub fn in_progress_retry(mut self, delay: Duration) -> Self {
-        self.in_progress_retry = delay;
-        self
+    /// again (capped by the holder's remaining lease, but never below
+    /// [`IN_PROGRESS_RETRY_FLOOR`] or this delay, whichever is shorter). Refused unless 1 ms ≤
+    /// `delay` ≤ [`FAILURE_RETRY_LIMIT`]: a zero delay would spin.
+    pub fn in_progress_retry(mut self, delay: Duration) -> Result<Self, InvalidInput> {
+        self.in_progress_retry = retry_delay("in_progress_retry", delay)?;
+        Ok(self)
     }
 
     /// How long a delivery waits before it is delivered again when the gate cannot decide.
-    pub fn unavailable_retry(mut self, delay: Duration) -> Self {
-        self.unavailable_retry = delay;
-        self
+    /// Refused unless 1 ms ≤ `delay` ≤ [`FAILURE_RETRY_LIMIT`]: a zero delay would spin.
+    pub fn unavailable_retry(mut self, delay: Duration) -> Result<Self, InvalidInput> {
+        self.unavailable_retry = retry_delay("unavailable_retry", delay)?;
+        Ok(self)
     }
 
     /// The delays after a retriable handler's failures: `initial` after a failed first
@@ -658,7 +674,11 @@ impl ConsumerGate {
         let opts = ClaimOptions {
             ttl_ms: self.ttl_ms,
             lease_ms: self.lease_ms,
-            fingerprint: Some(hex::encode(Sha256::digest(payload))),
+            // See the crate's docs: a template's key already says which payloads are one event.
+            fingerprint: match self.key {
+                KeySource::MessageId => Some(hex::encode(Sha256::digest(payload))),
+                KeySource::Template(_) => None,
+            },
             owner: Some(self.attempt_owner()),
         };
         // The payload is copied for the handler only when it runs, not for duplicates.
@@ -687,11 +707,7 @@ impl ConsumerGate {
             Err(RunError::HandlerUnreleased { error, release }) => {
                 self.failed(key, error, Some(release), attempt.number)
             }
-            Err(RunError::Unrecorded { error }) => Handled::Unrecorded {
-                key,
-                error,
-                retry_after: self.unavailable_retry,
-            },
+            Err(RunError::Unrecorded { error }) => Handled::Unrecorded { key, error },
             Err(RunError::Gate(GateError::FingerprintMismatch)) => {
                 Handled::Rejected(Rejection::FingerprintMismatch { key })
             }
@@ -737,13 +753,17 @@ impl ConsumerGate {
     }
 
     /// The in-progress delay, capped by the holder's remaining lease so that a crashed holder's
-    /// key is retried as soon as it can be taken over.
+    /// key is retried as soon as it can be taken over. The lease is on the store's clock and
+    /// `left` on this host's: a host ahead of the store would compute nothing left while the
+    /// holder still holds the key, so the delay keeps a floor instead of redelivering at once.
     fn in_progress_delay(&self, lease_end_ms: Option<u64>) -> Duration {
         let Some(lease_end_ms) = lease_end_ms else {
             return self.in_progress_retry;
         };
-        let left_ms = lease_end_ms.saturating_sub(SystemClock::default().now_ms());
-        self.in_progress_retry.min(Duration::from_millis(left_ms))
+        let left =
+            Duration::from_millis(lease_end_ms.saturating_sub(SystemClock::default().now_ms()));
+        let floor = self.in_progress_retry.min(IN_PROGRESS_RETRY_FLOOR);
+        self.in_progress_retry.min(left).max(floor)
     }
 
     /// The owner of one claim: this consumer's name, a per-process nonce and a per-process
@@ -777,7 +797,11 @@ impl ConsumerGate {
             } => {
                 tracing::error!(namespace = ns, outcome = handled.label(), "{handled}");
             }
-            Handled::Failed { .. } | Handled::Unrecorded { .. } | Handled::Unavailable { .. } => {
+            // Acked, but the key stays held and then expires without its result.
+            Handled::Unrecorded { .. } => {
+                tracing::error!(namespace = ns, outcome = handled.label(), "{handled}");
+            }
+            Handled::Failed { .. } | Handled::Unavailable { .. } => {
                 tracing::warn!(namespace = ns, outcome = handled.label(), "{handled}");
             }
             Handled::Rejected(_) => {
@@ -810,6 +834,17 @@ fn default_worker() -> String {
 }
 
 /// A duration in the gate's range (whole milliseconds, 1 ms to 10 years).
+/// A retry delay, checked: 1 ms to [`FAILURE_RETRY_LIMIT`].
+fn retry_delay(field: &'static str, delay: Duration) -> Result<Duration, InvalidInput> {
+    if delay < Duration::from_millis(1) || delay > FAILURE_RETRY_LIMIT {
+        return Err(InvalidInput::new(
+            field,
+            format!("must be from 1 ms to {FAILURE_RETRY_LIMIT:?}, got {delay:?}"),
+        ));
+    }
+    Ok(delay)
+}
+
 fn duration_ms(field: &'static str, d: Duration) -> Result<u64, InvalidInput> {
     match u64::try_from(d.as_millis()) {
         Ok(ms) if (1..=DURATION_MS_MAX).contains(&ms) => Ok(ms),
@@ -987,6 +1022,106 @@ mod tests {
             .process(Some("o-2"), "id", b"{}", Attempt::FIRST, fail)
             .await;
         assert_eq!(handled.action(), Action::Reject);
+    }
+
+    #[test]
+    fn retry_delays_are_refused_out_of_range_and_in_progress_ones_keep_a_floor() {
+        let ms = Duration::from_millis;
+        for bad in [
+            Duration::ZERO,
+            Duration::from_micros(999),
+            FAILURE_RETRY_LIMIT + ms(1),
+        ] {
+            let Err(e) = consumer().in_progress_retry(bad) else {
+                panic!("in-progress delay {bad:?} accepted")
+            };
+            assert_eq!(e.field, "in_progress_retry");
+            let Err(e) = consumer().unavailable_retry(bad) else {
+                panic!("unavailable delay {bad:?} accepted")
+            };
+            assert_eq!(e.field, "unavailable_retry");
+        }
+        let now = SystemClock::default().now_ms();
+        let gate = consumer();
+        // A holder with 10 s left: the in-progress delay (1 s by default) as configured.
+        assert_eq!(
+            gate.in_progress_delay(Some(now + 10_000)),
+            IN_PROGRESS_RETRY_DEFAULT
+        );
+        // A lease this host sees as ended (or as ending within the floor): not at once.
+        assert_eq!(
+            gate.in_progress_delay(Some(now - 5_000)),
+            IN_PROGRESS_RETRY_FLOOR
+        );
+        // A configured delay below the floor is kept.
+        let quick = consumer().in_progress_retry(ms(20)).unwrap();
+        assert_eq!(quick.in_progress_delay(Some(now - 5_000)), ms(20));
+    }
+
+    /// A template's key says which payloads are one event: events it maps to one key are
+    /// duplicates even when the rest of the payload differs. With the message id as the key, a
+    /// reused id with another payload is still refused.
+    #[tokio::test]
+    async fn template_keys_take_no_fingerprint_and_message_ids_do() {
+        let template = KeyTemplate::parse("{asset}_{ts|window:5m}").unwrap();
+        let gate = consumer().key_template(template);
+        let ran = |n: u8| move |_msg: Message| async move { Ok::<_, String>(n) };
+        let first = br#"{"asset":"BTC","ts":"2026-11-22T10:01:00Z"}"#;
+        let later = br#"{"asset":"BTC","ts":"2026-11-22T10:03:00Z"}"#;
+        let a = gate
+            .process(None, "id", first, Attempt::FIRST, ran(1))
+            .await;
+        assert!(matches!(a, Handled::Ran { value: 1, .. }), "{a}");
+        let b = gate
+            .process(None, "id", later, Attempt::FIRST, ran(2))
+            .await;
+        assert!(matches!(b, Handled::Duplicate { .. }), "{b}");
+        assert_eq!(b.action(), Action::Ack);
+
+        let gate = consumer();
+        let a = gate
+            .process(Some("m-1"), "id", first, Attempt::FIRST, ran(1))
+            .await;
+        assert!(matches!(a, Handled::Ran { .. }), "{a}");
+        let b = gate
+            .process(Some("m-1"), "id", later, Attempt::FIRST, ran(2))
+            .await;
+        assert!(
+            matches!(b, Handled::Rejected(Rejection::FingerprintMismatch { .. })),
+            "{b}"
+        );
+    }
+
+    /// A handler that ran is acked even when its completion could not be recorded: requeuing
+    /// it would run it again once the lease ran out.
+    #[tokio::test]
+    async fn a_run_whose_completion_was_not_recorded_is_acked() {
+        let gate = consumer();
+        let inner = gate.clone();
+        // The record is forgotten under the holder, so the completion finds no claim.
+        let handled = gate
+            .process(
+                Some("o-9"),
+                "id",
+                b"{}",
+                Attempt::FIRST,
+                |_msg| async move {
+                    inner.gate.forget("orders", "o-9").await.unwrap();
+                    Ok::<_, String>(())
+                },
+            )
+            .await;
+        assert!(
+            matches!(
+                handled,
+                Handled::Unrecorded {
+                    error: GateError::LeaseLost,
+                    ..
+                }
+            ),
+            "{handled}"
+        );
+        assert_eq!(handled.action(), Action::Ack);
     }
 
     /// Two copies of one message on one consumer at once: the second finds the key held by

@@ -3,10 +3,13 @@
 //!
 //! The key is the AMQP `message_id` property (or a key template over the JSON payload). AMQP has
 //! no delayed requeue, so a retry waits its delay before it requeues: the delivery keeps its
-//! prefetch slot meanwhile, which is what keeps it from spinning (and why a consumer with
-//! prefetch 1 handles nothing else while a failed message waits). A failed handler's delivery is
-//! requeued with `basic.reject` (a failure, which a quorum queue counts in `x-delivery-count` and
-//! against its delivery limit), any other retry with `basic.nack` (not processed, which
+//! prefetch slot meanwhile, which is what keeps it from spinning. [`handle`] returns only after
+//! the delay, so a loop that awaits each delivery in turn handles nothing else while a message
+//! waits, whatever the prefetch: spawn a task per delivery to keep `prefetch` of them in flight.
+//! A failed handler's delivery is requeued with `basic.reject` (a failure, which a quorum queue
+//! counts in `x-delivery-count` and against its delivery limit, 20 by default in RabbitMQ 4:
+//! past it the queue dead-letters or drops the message whatever
+//! [`ConsumerGate::max_attempts`] says), any other retry with `basic.nack` (not processed, which
 //! RabbitMQ 4 does not count). Rejected deliveries go to the queue's dead-letter exchange, when
 //! it has one.
 //!

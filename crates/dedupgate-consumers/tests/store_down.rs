@@ -27,7 +27,8 @@ async fn a_delivery_the_gate_cannot_decide_is_requeued_and_runs_once_the_store_i
     let gate = ConsumerGate::new(Gate::new(store), "consumers-test")
         .expect("namespace")
         .mode(Mode::Retriable)
-        .unavailable_retry(Duration::from_millis(100));
+        .unavailable_retry(Duration::from_millis(100))
+        .expect("unavailable delay");
 
     let conn = amqp::connect().await;
     let channel = amqp::confirming_channel(&conn).await;

@@ -41,7 +41,9 @@ pub fn gate(mode: Mode) -> (ConsumerGate, tempfile::TempDir) {
         .expect("namespace")
         .mode(mode)
         .in_progress_retry(Duration::from_millis(50))
+        .expect("in-progress delay")
         .unavailable_retry(Duration::from_millis(200))
+        .expect("unavailable delay")
         .failure_retry(FAILURE_RETRY_INITIAL, FAILURE_RETRY_MAX)
         .expect("failure retry delays");
     (gate, dir)
