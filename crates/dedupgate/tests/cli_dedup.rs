@@ -180,6 +180,43 @@ fn malformed_lines_stop_the_run_with_their_position_or_go_to_rejects() {
     );
 }
 
+/// Found by review: a template that reads no field (`{now|…}`) let a line that is not an
+/// object through as a record, and `--emit-id` then stopped the run on it even with
+/// `--rejects`. A record is an object whatever the key reads.
+#[test]
+fn a_line_that_is_not_an_object_is_a_bad_record_for_templates_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(
+        dir.path(),
+        "in.jsonl",
+        "{\"id\":1}\n[1,2]\n\"x\"\n{\"id\":2}\n",
+    );
+    let rejects = dir.path().join("rejects.jsonl");
+    let o = dg()
+        .args([
+            "dedup",
+            "--key-template",
+            "{now|window:1d}",
+            "--emit-id",
+            "dedup_id",
+        ])
+        .arg("--rejects")
+        .arg(&rejects)
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    let lines: Vec<serde_json::Value> = out(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "one key per day: {}", out(&o));
+    assert_eq!(lines[0]["id"], 1);
+    let rejected = fs::read_to_string(&rejects).unwrap();
+    assert_eq!(rejected.lines().count(), 2, "{rejected}");
+    assert!(rejected.contains("not a JSON object"), "{rejected}");
+}
+
 #[test]
 fn csv_quoting_survives_and_keys_are_column_values() {
     let dir = tempfile::tempdir().unwrap();
@@ -1036,6 +1073,58 @@ fn gate_records_of_the_ledger_namespace_still_count() {
         };
         assert_eq!(out(&ns_run), expected, "{mode}");
     }
+}
+
+/// Found by review: a key another run had claimed and not completed (a run that died less
+/// than a lease ago, or one still writing) was counted as a duplicate, so a run restarted
+/// right after a crash never emitted it. The run now waits for the holder: here a claim of a
+/// run that died, with a 2 s lease, on a gate ledger in the local Redis.
+#[test]
+fn a_key_another_run_holds_is_waited_for_not_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = "redis://127.0.0.1:6379".to_owned();
+    let (_, ns) = ledger(dir.path());
+    let input = write(dir.path(), "e.jsonl", &events(0..10));
+    let ids = dg()
+        .args(["id", "--key-fields", "event_id", "--print"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    let ids: Vec<String> = out(&ids).lines().map(str::to_owned).collect();
+    let held = dg()
+        .args(["claim", "--store", &store, "-n", &ns, "-k", &ids[3]])
+        .args(["--ttl", "1h", "--lease", "2s", "--owner", "a-run-that-died"])
+        .output()
+        .unwrap();
+    assert!(held.status.success(), "{}", err(&held));
+    let done = dg()
+        .args([
+            "mark", "--store", &store, "-n", &ns, "-k", &ids[4], "--ttl", "1h",
+        ])
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "{}", err(&done));
+
+    let run = dg()
+        .args(["dedup", "--key-fields", "event_id"])
+        .args(["--ledger", &store, "--namespace", &ns])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", err(&run));
+    let expected: String = events(0..10)
+        .lines()
+        .enumerate()
+        .filter(|(i, _)| *i != 4)
+        .map(|(_, l)| format!("{l}\n"))
+        .collect();
+    assert_eq!(out(&run), expected);
+    assert!(
+        err(&run).contains("waiting for 1 keys another run holds")
+            && err(&run).contains("a-run-that-died"),
+        "{}",
+        err(&run)
+    );
 }
 
 #[test]

@@ -279,6 +279,49 @@ fn signals_to_run_reach_cmd_and_a_killed_cmd_releases_the_key() {
     assert_eq!(env.count_lines("count"), 1);
 }
 
+/// Found by review: `run` caught HUP even when it was started with HUP ignored (`nohup`), then
+/// passed it on, and CMD (whose disposition was reset at exec) died of it. A signal ignored at
+/// start stays ignored, for `run` and for CMD.
+#[test]
+fn a_signal_ignored_at_start_stays_ignored_for_run_and_cmd() {
+    let env = Env::new("sigign");
+    let log = env.path("log");
+    let script = format!(
+        "echo ready >> '{0}'; i=0; while [ $i -lt 20 ]; do sleep 0.05; i=$((i+1)); done; echo done >> '{0}'",
+        log.display()
+    );
+    let child = Command::new("sh")
+        .args(["-c", "trap '' HUP; exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_dedupgate"))
+        .arg("run")
+        .args([
+            "--store",
+            &env.store,
+            "--namespace",
+            &env.namespace,
+            "--key",
+            "ign",
+        ])
+        .args(["--", "sh", "-c", &script])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("CMD to be ready", Duration::from_secs(10), || {
+        env.count_lines("log") == 1
+    });
+    let status = Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(fs::read_to_string(&log).unwrap(), "ready\ndone\n");
+}
+
 /// `run` catches signals from its start now (a TERM between taking the key and starting CMD
 /// used to end it by the default action, leaving the key held). While it only waits for
 /// another holder (`--wait`), holding nothing, a signal must still end it at once.

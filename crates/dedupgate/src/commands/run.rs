@@ -568,7 +568,15 @@ impl Signals {
         ];
         let (tx, rx) = tokio::sync::mpsc::channel::<(i32, bool)>(16);
         let mut listeners = Vec::new();
+        let ignored = ignored_at_start();
         for (kind, forward) in kinds {
+            // A signal `run` was started with ignored (`nohup`, or INT and QUIT for a
+            // background job of a non-interactive shell) stays ignored for `run` and for CMD,
+            // which inherits that: catching it would pass it on, and CMD would die of it.
+            let signo = kind.as_raw_value();
+            if (1..=64).contains(&signo) && ignored & (1u64 << (signo - 1)) != 0 {
+                continue;
+            }
             if let Ok(mut s) = signal(kind) {
                 let tx = tx.clone();
                 listeners.push(tokio::spawn(async move {
@@ -595,6 +603,20 @@ impl Signals {
             caught = self.rx.recv() => caught.map(|(signo, _)| signo),
         }
     }
+}
+
+/// The signals this process started with ignored, as a mask (bit `n - 1` for signal `n`), from
+/// the `SigIgn` line of /proc/self/status; none where that cannot be read.
+fn ignored_at_start() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("SigIgn:"))
+                .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        })
+        .unwrap_or(0)
 }
 
 impl Drop for Signals {

@@ -28,7 +28,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::anyhow;
-use dedupgate_core::{Namespace, Token};
+use dedupgate_core::{Clock, Namespace, Token};
 use dedupgate_embedded::keyset::KeyId;
 use dedupgate_embedded::{EmbeddedStore, KeySetCall};
 use tokio::runtime::Runtime;
@@ -54,6 +54,10 @@ pub const LEDGER_WINDOW_KEYS_MAX: usize = 1 << 30;
 /// Lease of a ledger claim: how long a crashed run's records stay held before the next run
 /// may emit them.
 pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
+/// How often a run asks again about keys another run holds.
+const HELD_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often a run waiting for keys another run holds says so on stderr.
+const HELD_NOTE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The keys (128-bit digest prefixes) this run let through to the ledger most recently, in two
 /// generations of `generation` keys each: a key stays for at least `generation` first
@@ -381,6 +385,69 @@ impl<'a> Ledger<'a> {
         Err(e)
     }
 
+    /// Asks again about the keys another run holds (claimed, not completed) until each is new
+    /// or completed. Such a key is not yet a duplicate: its holder may still fail and release
+    /// it, or have died (a run restarted within the lease of the one it replaces), and then
+    /// only this run would emit its record. So the run waits for the holder, at most until
+    /// its lease ends, saying so on stderr.
+    fn settle_held(
+        &self,
+        fresh: &mut [Result<Fresh, String>],
+        keys: &[String],
+    ) -> anyhow::Result<()> {
+        let Sink::Gate { backend, write } = &self.sink else {
+            return Ok(());
+        };
+        let mut noted: Option<std::time::Instant> = None;
+        loop {
+            let held: Vec<usize> = (0..fresh.len())
+                .filter(|&i| matches!(fresh[i], Ok(Fresh::Held { .. })))
+                .collect();
+            let Some(&first) = held.first() else {
+                return Ok(());
+            };
+            if noted.is_none_or(|at| at.elapsed() >= HELD_NOTE_EVERY) {
+                if let Ok(Fresh::Held {
+                    owner,
+                    lease_expires_at_ms,
+                }) = &fresh[first]
+                {
+                    let now_ms = dedupgate_core::SystemClock::default().now_ms();
+                    let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
+                        format!("in {} s", t.saturating_sub(now_ms).div_ceil(1000))
+                    });
+                    eprintln!(
+                        "dedupgate dedup: waiting for {} keys another run holds and has not \
+                         completed (first: {:?}, held by {}, its lease ends {ends})",
+                        held.len(),
+                        keys[first],
+                        owner.as_deref().unwrap_or("an unnamed owner"),
+                    );
+                }
+                noted = Some(std::time::Instant::now());
+            }
+            std::thread::sleep(HELD_POLL);
+            let again: Vec<String> = held.iter().map(|&i| keys[i].clone()).collect();
+            let answers = self.rt.block_on(backend.ledger_call(
+                &self.namespace,
+                &[],
+                &again,
+                self.ttl_ms,
+                write,
+            ))?;
+            if answers.fresh.len() != held.len() {
+                anyhow::bail!(
+                    "the ledger answered {} of {} keys asked again",
+                    answers.fresh.len(),
+                    held.len()
+                );
+            }
+            for (i, answer) in held.into_iter().zip(answers.fresh) {
+                fresh[i] = answer;
+            }
+        }
+    }
+
     /// Waits for the oldest call in flight, writes the records it let through and flushes.
     fn settle_one(&mut self, counts: &mut Counts, out: &mut dyn Write) -> anyhow::Result<()> {
         let Some(handle) = self.in_flight.pop_front() else {
@@ -405,13 +472,29 @@ impl<'a> Ledger<'a> {
                 sent.recorded
             ),
         };
-        let answers = match answers {
+        let mut answers = match answers {
             Ok(a) => a,
             Err(e) if sent.completes.is_empty() && sent.recorded == 0 => {
                 return Err(e.context(describe()))
             }
             Err(e) => return Err(e.context(unrecorded())),
         };
+        if let Err(e) = self.settle_held(&mut answers.fresh, &sent.batch.keys) {
+            let claimed: Vec<(String, Token)> = answers
+                .fresh
+                .iter()
+                .zip(&sent.batch.keys)
+                .filter_map(|(a, k)| match a {
+                    Ok(Fresh::New(Some(t))) => Some((k.clone(), t.clone())),
+                    _ => None,
+                })
+                .collect();
+            if let Sink::Gate { backend, .. } = &self.sink {
+                self.rt
+                    .block_on(backend.release_batch(&self.namespace, &claimed));
+            }
+            return Err(e.context(describe()));
+        }
         if let Some(reason) = answers.completed.iter().find_map(|a| a.as_ref().err()) {
             let failed = answers.completed.iter().filter(|a| a.is_err()).count();
             let e = anyhow!(

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context};
 use dedupgate_client::{Client, ClientError, MarkOptions};
 use dedupgate_core::{
-    Claim, ClaimOptions, Gate, GateError, Mark, Op, Outcome, Record, RecordId, Store, Token,
+    Claim, ClaimOptions, Gate, GateError, Mark, Op, Outcome, Record, RecordId, State, Store, Token,
 };
 use serde_json::{json, Value};
 
@@ -277,12 +277,12 @@ impl Backend {
                         Ok(v) => match write {
                             LedgerWrite::Claim { .. } => match serde_json::from_value::<Claim>(v) {
                                 Ok(Claim::New(lease)) => Ok(Fresh::New(Some(lease.token))),
-                                Ok(Claim::Duplicate { .. }) => Ok(Fresh::Duplicate),
+                                Ok(Claim::Duplicate { record }) => Ok(Fresh::known(&record)),
                                 Err(e) => bail!("unexpected claim answer from the server: {e}"),
                             },
                             LedgerWrite::Mark => match serde_json::from_value::<Mark>(v) {
                                 Ok(Mark::New { .. }) => Ok(Fresh::New(None)),
-                                Ok(Mark::Duplicate { .. }) => Ok(Fresh::Duplicate),
+                                Ok(Mark::Duplicate { record }) => Ok(Fresh::known(&record)),
                                 Err(e) => bail!("unexpected mark answer from the server: {e}"),
                             },
                         },
@@ -329,8 +329,10 @@ impl Backend {
                             Ok(Fresh::New(Some(lease.token)))
                         }
                         Ok(Outcome::Marked(Mark::New { .. })) => Ok(Fresh::New(None)),
-                        Ok(Outcome::Claimed(Claim::Duplicate { .. }))
-                        | Ok(Outcome::Marked(Mark::Duplicate { .. })) => Ok(Fresh::Duplicate),
+                        Ok(Outcome::Claimed(Claim::Duplicate { record }))
+                        | Ok(Outcome::Marked(Mark::Duplicate { record })) => {
+                            Ok(Fresh::known(&record))
+                        }
                         Ok(other) => Err(format!("unexpected outcome {}", other.label())),
                         Err(e) => Err(e.to_string()),
                     })
@@ -387,10 +389,31 @@ pub enum LedgerWrite {
 pub enum Fresh {
     /// The key was new: the claim's token (none for a mark).
     New(Option<Token>),
-    /// The key was known (completed, or held by another run).
+    /// The key was known and completed.
     Duplicate,
+    /// Another run holds the key (claimed, not completed): it may yet write the record, or
+    /// fail and release it, or have died, leaving the claim to expire.
+    Held {
+        /// The holder's owner name.
+        owner: Option<String>,
+        /// When the holder's lease ends (the store's clock, unix ms).
+        lease_expires_at_ms: Option<u64>,
+    },
     /// A completion went through.
     Done,
+}
+
+impl Fresh {
+    /// The answer for a key the ledger already had.
+    fn known(record: &Record) -> Self {
+        match record.state {
+            State::Completed => Fresh::Duplicate,
+            State::InProgress => Fresh::Held {
+                owner: record.owner.clone(),
+                lease_expires_at_ms: record.lease_expires_at_ms,
+            },
+        }
+    }
 }
 
 /// The answers of a [`Backend::ledger_call`].

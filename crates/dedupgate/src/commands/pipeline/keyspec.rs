@@ -134,6 +134,11 @@ impl KeySpec {
             KeySpec::Template(t) => {
                 let v: Value = serde_json::from_str(line)
                     .map_err(|e| Reject(format!("malformed JSON: {e}")))?;
+                // A record is an object, whatever the template reads (docs/cli.md): `--emit-id`
+                // adds a field to it.
+                if !v.is_object() {
+                    return Err(Reject("not a JSON object".to_owned()));
+                }
                 t.render_into(&v, now_ms, &mut scratch.text)
                     .map_err(|e| Reject(e.to_string()))?;
                 check_key(&scratch.text)?;
