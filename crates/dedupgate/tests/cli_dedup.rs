@@ -56,6 +56,17 @@ fn ledger(dir: &Path) -> (String, String) {
     (store, format!("t-dedup-{}-{nanos}", std::process::id()))
 }
 
+/// The ids `dedupgate id` gives the records of `input` keyed by `event_id`: the ledger keys.
+fn event_ids(input: &Path) -> Vec<String> {
+    let o = dg()
+        .args(["id", "--key-fields", "event_id", "--print"])
+        .arg(input)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", err(&o));
+    out(&o).lines().map(str::to_owned).collect()
+}
+
 #[test]
 fn keeps_the_first_or_last_record_of_each_key_and_says_what_it_did() {
     let dir = tempfile::tempdir().unwrap();
@@ -1041,12 +1052,7 @@ fn gate_records_of_the_ledger_namespace_still_count() {
     let dir = tempfile::tempdir().unwrap();
     let (store, ns) = ledger(dir.path());
     let input = write(dir.path(), "e.jsonl", &events(0..30));
-    let ids = dg()
-        .args(["id", "--key-fields", "event_id", "--print"])
-        .arg(&input)
-        .output()
-        .unwrap();
-    let ids: Vec<String> = out(&ids).lines().map(str::to_owned).collect();
+    let ids = event_ids(&input);
     assert_eq!(ids.len(), 30);
     for (i, id) in ids[..20].iter().enumerate() {
         let verb = if i < 10 { "mark" } else { "claim" };
@@ -1085,12 +1091,7 @@ fn a_key_another_run_holds_is_waited_for_not_dropped() {
     let store = "redis://127.0.0.1:6379".to_owned();
     let (_, ns) = ledger(dir.path());
     let input = write(dir.path(), "e.jsonl", &events(0..10));
-    let ids = dg()
-        .args(["id", "--key-fields", "event_id", "--print"])
-        .arg(&input)
-        .output()
-        .unwrap();
-    let ids: Vec<String> = out(&ids).lines().map(str::to_owned).collect();
+    let ids = event_ids(&input);
     let held = dg()
         .args(["claim", "--store", &store, "-n", &ns, "-k", &ids[3]])
         .args(["--ttl", "1h", "--lease", "2s", "--owner", "a-run-that-died"])

@@ -385,6 +385,23 @@ impl<'a> Ledger<'a> {
         Err(e)
     }
 
+    /// Gives back at once the claims a call answered "new" for `keys`, when none of their
+    /// records will be written.
+    fn release_new(&self, fresh: &[Result<Fresh, String>], keys: &[String]) {
+        let claimed: Vec<(String, Token)> = fresh
+            .iter()
+            .zip(keys)
+            .filter_map(|(a, k)| match a {
+                Ok(Fresh::New(Some(t))) => Some((k.clone(), t.clone())),
+                _ => None,
+            })
+            .collect();
+        if let Sink::Gate { backend, .. } = &self.sink {
+            self.rt
+                .block_on(backend.release_batch(&self.namespace, &claimed));
+        }
+    }
+
     /// Asks again about the keys another run holds (claimed, not completed) until each is new
     /// or completed. Such a key is not yet a duplicate: its holder may still fail and release
     /// it, or have died (a run restarted within the lease of the one it replaces), and then
@@ -479,42 +496,18 @@ impl<'a> Ledger<'a> {
             }
             Err(e) => return Err(e.context(unrecorded())),
         };
-        if let Err(e) = self.settle_held(&mut answers.fresh, &sent.batch.keys) {
-            let claimed: Vec<(String, Token)> = answers
-                .fresh
-                .iter()
-                .zip(&sent.batch.keys)
-                .filter_map(|(a, k)| match a {
-                    Ok(Fresh::New(Some(t))) => Some((k.clone(), t.clone())),
-                    _ => None,
-                })
-                .collect();
-            if let Sink::Gate { backend, .. } = &self.sink {
-                self.rt
-                    .block_on(backend.release_batch(&self.namespace, &claimed));
-            }
-            return Err(e.context(describe()));
-        }
         if let Some(reason) = answers.completed.iter().find_map(|a| a.as_ref().err()) {
             let failed = answers.completed.iter().filter(|a| a.is_err()).count();
             let e = anyhow!(
                 "{failed} of {} ledger completions failed (first: {reason})",
                 sent.completes.len()
             );
-            let claimed: Vec<(String, Token)> = answers
-                .fresh
-                .iter()
-                .zip(&sent.batch.keys)
-                .filter_map(|(a, k)| match a {
-                    Ok(Fresh::New(Some(t))) => Some((k.clone(), t.clone())),
-                    _ => None,
-                })
-                .collect();
-            if let Sink::Gate { backend, .. } = &self.sink {
-                self.rt
-                    .block_on(backend.release_batch(&self.namespace, &claimed));
-            }
+            self.release_new(&answers.fresh, &sent.batch.keys);
             return Err(e.context(unrecorded()));
+        }
+        if let Err(e) = self.settle_held(&mut answers.fresh, &sent.batch.keys) {
+            self.release_new(&answers.fresh, &sent.batch.keys);
+            return Err(e.context(describe()));
         }
         let mut failure: Option<anyhow::Error> = None;
         let mut new = 0u64;
