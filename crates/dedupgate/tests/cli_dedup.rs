@@ -1128,6 +1128,79 @@ fn a_key_another_run_holds_is_waited_for_not_dropped() {
     );
 }
 
+/// Found by review: a run waiting for a key another run held kept the claims its own batch
+/// had got, so two runs whose batches each held a key the other waited for waited for each
+/// other until a lease ran out. A waiting run holds none of its batch's keys.
+#[test]
+fn a_run_waiting_for_a_held_key_holds_none_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = "redis://127.0.0.1:6379".to_owned();
+    let (_, ns) = ledger(dir.path());
+    let input = write(dir.path(), "e.jsonl", &events(0..10));
+    let ids = event_ids(&input);
+    let held = dg()
+        .args(["claim", "--store", &store, "-n", &ns, "-k", &ids[5]])
+        .args(["--ttl", "1h", "--lease", "1h", "--owner", "the-other-run"])
+        .output()
+        .unwrap();
+    assert!(held.status.success(), "{}", err(&held));
+    let answer: serde_json::Value = serde_json::from_str(&out(&held)).unwrap();
+    let token = answer["token"].as_str().unwrap().to_owned();
+
+    let log = dir.path().join("stderr.log");
+    /// Kills the run if the test fails while it waits (the held key's lease is an hour).
+    struct KillOnDrop(Option<std::process::Child>);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            if let Some(child) = self.0.as_mut() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+    let mut waiting = KillOnDrop(Some(
+        dg().args(["dedup", "--quiet", "--key-fields", "event_id"])
+            .args(["--ledger", &store, "--namespace", &ns])
+            .arg(&input)
+            .stdout(Stdio::piped())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    ));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !fs::read_to_string(&log)
+        .unwrap()
+        .contains("waiting for 1 keys")
+    {
+        assert!(std::time::Instant::now() < deadline, "no wait announced");
+        let run = waiting.0.as_mut().unwrap();
+        assert!(run.try_wait().unwrap().is_none(), "ended without waiting");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // While it waits, the batch's other keys are free (released, not in progress).
+    for id in ids.iter().filter(|id| **id != ids[5]) {
+        let get = dg()
+            .args(["get", "--store", &store, "-n", &ns, "-k", id])
+            .output()
+            .unwrap();
+        assert!(!out(&get).contains("in_progress"), "{id}: {}", out(&get));
+    }
+    // The other run fails and gives its key back: this one emits everything.
+    let released = dg()
+        .args(["release", "--store", &store, "-n", &ns, "-k", &ids[5]])
+        .args(["--token", &token])
+        .output()
+        .unwrap();
+    assert!(released.status.success(), "{}", err(&released));
+    let done = waiting.0.take().unwrap().wait_with_output().unwrap();
+    assert!(
+        done.status.success(),
+        "{}",
+        fs::read_to_string(&log).unwrap()
+    );
+    assert_eq!(out(&done), events(0..10));
+}
+
 #[test]
 fn ledger_cache_size_is_checked_and_used() {
     let dir = tempfile::tempdir().unwrap();

@@ -56,6 +56,9 @@ pub const LEDGER_WINDOW_KEYS_MAX: usize = 1 << 30;
 pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
 /// How often a run asks again about keys another run holds.
 const HELD_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+/// Longest a run waits for keys another run holds: twice a ledger claim's lease, so only a
+/// holder that renews its claims (not a `dedup` run) makes it give up.
+const HELD_WAIT_MAX: std::time::Duration = std::time::Duration::from_millis(2 * LEDGER_LEASE_MS);
 /// How often a run waiting for keys another run holds says so on stderr.
 const HELD_NOTE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -407,14 +410,34 @@ impl<'a> Ledger<'a> {
     /// it, or have died (a run restarted within the lease of the one it replaces), and then
     /// only this run would emit its record. So the run waits for the holder, at most until
     /// its lease ends, saying so on stderr.
+    ///
+    /// While it waits, the run holds none of the batch's keys: it gives back the claims the
+    /// batch got and claims them again with the held ones. Two runs whose batches each hold a
+    /// key the other waits for would otherwise wait for each other until a lease ran out, and
+    /// then both write the key the other took over. A wait longer than [`HELD_WAIT_MAX`] is a
+    /// holder that renews its claims (the namespace is shared with something other than
+    /// `dedup`), and the run stops with an error, holding nothing of the batch.
+    ///
+    /// Marks (the at-most-once mode) are recorded when they are answered "new" and cannot be
+    /// given back, so that mode takes a held key as a duplicate, as it may lose records anyway.
     fn settle_held(
         &self,
         fresh: &mut [Result<Fresh, String>],
         keys: &[String],
     ) -> anyhow::Result<()> {
-        let Sink::Gate { backend, write } = &self.sink else {
+        let Sink::Gate {
+            backend,
+            write: write @ LedgerWrite::Claim { .. },
+        } = &self.sink
+        else {
+            for answer in fresh.iter_mut() {
+                if matches!(answer, Ok(Fresh::Held { .. })) {
+                    *answer = Ok(Fresh::Duplicate);
+                }
+            }
             return Ok(());
         };
+        let started = std::time::Instant::now();
         let mut noted: Option<std::time::Instant> = None;
         loop {
             let held: Vec<usize> = (0..fresh.len())
@@ -423,28 +446,44 @@ impl<'a> Ledger<'a> {
             let Some(&first) = held.first() else {
                 return Ok(());
             };
+            // Hold nothing of the batch while waiting (see above).
+            self.release_new(fresh, keys);
+            let ask: Vec<usize> = (0..fresh.len())
+                .filter(|&i| matches!(fresh[i], Ok(Fresh::Held { .. } | Fresh::New(_))))
+                .collect();
+            let Ok(Fresh::Held {
+                owner,
+                lease_expires_at_ms,
+            }) = &fresh[first]
+            else {
+                unreachable!("the first held key")
+            };
+            let holder = owner.as_deref().unwrap_or("an unnamed owner");
+            if started.elapsed() >= HELD_WAIT_MAX {
+                anyhow::bail!(
+                    "{} keys are still held after {} minutes (first: {:?}, held by {holder}, \
+                     which keeps renewing its claim: is the ledger namespace shared with \
+                     something other than dedup?); nothing of this batch was written",
+                    held.len(),
+                    HELD_WAIT_MAX.as_secs() / 60,
+                    keys[first],
+                );
+            }
             if noted.is_none_or(|at| at.elapsed() >= HELD_NOTE_EVERY) {
-                if let Ok(Fresh::Held {
-                    owner,
-                    lease_expires_at_ms,
-                }) = &fresh[first]
-                {
-                    let now_ms = dedupgate_core::SystemClock::default().now_ms();
-                    let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
-                        format!("in {} s", t.saturating_sub(now_ms).div_ceil(1000))
-                    });
-                    eprintln!(
-                        "dedupgate dedup: waiting for {} keys another run holds and has not \
-                         completed (first: {:?}, held by {}, its lease ends {ends})",
-                        held.len(),
-                        keys[first],
-                        owner.as_deref().unwrap_or("an unnamed owner"),
-                    );
-                }
+                let now_ms = dedupgate_core::SystemClock::default().now_ms();
+                let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
+                    format!("in {} s", t.saturating_sub(now_ms).div_ceil(1000))
+                });
+                eprintln!(
+                    "dedupgate dedup: waiting for {} keys another run holds and has not \
+                     completed (first: {:?}, held by {holder}, its lease ends {ends})",
+                    held.len(),
+                    keys[first],
+                );
                 noted = Some(std::time::Instant::now());
             }
             std::thread::sleep(HELD_POLL);
-            let again: Vec<String> = held.iter().map(|&i| keys[i].clone()).collect();
+            let again: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
             let answers = self.rt.block_on(backend.ledger_call(
                 &self.namespace,
                 &[],
@@ -452,14 +491,14 @@ impl<'a> Ledger<'a> {
                 self.ttl_ms,
                 write,
             ))?;
-            if answers.fresh.len() != held.len() {
+            if answers.fresh.len() != ask.len() {
                 anyhow::bail!(
                     "the ledger answered {} of {} keys asked again",
                     answers.fresh.len(),
-                    held.len()
+                    ask.len()
                 );
             }
-            for (i, answer) in held.into_iter().zip(answers.fresh) {
+            for (i, answer) in ask.into_iter().zip(answers.fresh) {
                 fresh[i] = answer;
             }
         }

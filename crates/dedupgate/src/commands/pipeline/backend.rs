@@ -421,7 +421,8 @@ impl Fresh {
 pub struct LedgerAnswers {
     /// One per completion sent.
     pub completed: Vec<Result<(), String>>,
-    /// One per key sent: [`Fresh::New`] or [`Fresh::Duplicate`], or why it was refused.
+    /// One per key sent: [`Fresh::New`], [`Fresh::Duplicate`] or [`Fresh::Held`], or why it
+    /// was refused.
     pub fresh: Vec<Result<Fresh, String>>,
 }
 
