@@ -24,7 +24,7 @@
 //! |---|---|
 //! | the handler ran (retriable: completed with its value; idempotent: marked first) | ack |
 //! | duplicate of a completed key | ack, the handler does not run |
-//! | duplicate of a key another consumer holds | retry after the in-progress delay (at most the holder's remaining lease) |
+//! | duplicate of a key another consumer holds | retry after the in-progress delay (at most the holder's remaining lease, but not under 100 ms) |
 //! | retriable handler failed | the claim is released; retry after the failure delay (below), as a failure (AMQP: reject with requeue, which a quorum queue counts; JetStream: nak with the delay) |
 //! | retriable handler failed on delivery `max_attempts` (when set, and the broker counts deliveries) | the claim is released; reject without requeue (dead-letter / term), logged with the error |
 //! | idempotent handler failed | reject without requeue (dead-letter / term): never retried |
@@ -833,7 +833,6 @@ fn default_worker() -> String {
     worker
 }
 
-/// A duration in the gate's range (whole milliseconds, 1 ms to 10 years).
 /// A retry delay, checked: 1 ms to [`FAILURE_RETRY_LIMIT`].
 fn retry_delay(field: &'static str, delay: Duration) -> Result<Duration, InvalidInput> {
     if delay < Duration::from_millis(1) || delay > FAILURE_RETRY_LIMIT {
@@ -845,6 +844,7 @@ fn retry_delay(field: &'static str, delay: Duration) -> Result<Duration, Invalid
     Ok(delay)
 }
 
+/// A duration in the gate's range (whole milliseconds, 1 ms to 10 years).
 fn duration_ms(field: &'static str, d: Duration) -> Result<u64, InvalidInput> {
     match u64::try_from(d.as_millis()) {
         Ok(ms) if (1..=DURATION_MS_MAX).contains(&ms) => Ok(ms),

@@ -372,8 +372,10 @@ impl Gate {
                 match outcome {
                     Ok(value) => {
                         let stored = serde_json::to_value(&value).ok();
+                        // The lease is still renewed while the completion is asked again.
+                        let completed = self.complete_retried(namespace, key, &lease.token, stored);
                         match self
-                            .complete_retried(namespace, key, &lease.token, stored)
+                            .while_held(namespace, key, &lease.token, lease_ms, completed)
                             .await
                         {
                             Ok(()) => Ok(Run::Ran(value)),
