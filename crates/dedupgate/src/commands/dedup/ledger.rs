@@ -56,8 +56,8 @@ pub const LEDGER_WINDOW_KEYS_MAX: usize = 1 << 30;
 pub const LEDGER_LEASE_MS: u64 = 10 * 60 * 1000;
 /// How often a run asks again about keys another run holds.
 const HELD_POLL: std::time::Duration = std::time::Duration::from_millis(500);
-/// Longest a run waits for keys another run holds: twice a ledger claim's lease, so only a
-/// holder that renews its claims (not a `dedup` run) makes it give up.
+/// Longest a run waits for keys another run holds: twice a ledger claim's lease, which one
+/// `dedup` run holding a key (nothing renews its claims) cannot reach.
 const HELD_WAIT_MAX: std::time::Duration = std::time::Duration::from_millis(2 * LEDGER_LEASE_MS);
 /// How often a run waiting for keys another run holds says so on stderr.
 const HELD_NOTE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
@@ -414,9 +414,9 @@ impl<'a> Ledger<'a> {
     /// While it waits, the run holds none of the batch's keys: it gives back the claims the
     /// batch got and claims them again with the held ones. Two runs whose batches each hold a
     /// key the other waits for would otherwise wait for each other until a lease ran out, and
-    /// then both write the key the other took over. A wait longer than [`HELD_WAIT_MAX`] is a
-    /// holder that renews its claims (the namespace is shared with something other than
-    /// `dedup`), and the run stops with an error, holding nothing of the batch.
+    /// then both write the key the other took over. Only the held keys are asked about while
+    /// the run waits; the ones it gave back are claimed again once none is held. After
+    /// [`HELD_WAIT_MAX`] the run stops with an error, holding nothing of the batch.
     ///
     /// Marks (the at-most-once mode) are recorded when they are answered "new" and cannot be
     /// given back, so that mode takes a held key as a duplicate, as it may lose records anyway.
@@ -439,50 +439,81 @@ impl<'a> Ledger<'a> {
         };
         let started = std::time::Instant::now();
         let mut noted: Option<std::time::Instant> = None;
+        // Keys of the batch given back while waiting, to claim again once nothing is held.
+        let mut released: Vec<usize> = Vec::new();
+        let mut is_released = vec![false; fresh.len()];
         loop {
             let held: Vec<usize> = (0..fresh.len())
                 .filter(|&i| matches!(fresh[i], Ok(Fresh::Held { .. })))
                 .collect();
-            let Some(&first) = held.first() else {
-                return Ok(());
+            let ask = match held.first() {
+                None if released.is_empty() => return Ok(()),
+                // Nothing held any more: claim again what was given back (some may now be
+                // held by another run, and the wait goes on).
+                None => {
+                    is_released.iter_mut().for_each(|r| *r = false);
+                    std::mem::take(&mut released)
+                }
+                Some(&first) => {
+                    // Hold nothing of the batch while waiting (see above).
+                    let given_back: Vec<usize> = (0..fresh.len())
+                        .filter(|&i| matches!(fresh[i], Ok(Fresh::New(_))) && !is_released[i])
+                        .collect();
+                    for &i in &given_back {
+                        is_released[i] = true;
+                    }
+                    let claims: Vec<(String, Token)> = given_back
+                        .iter()
+                        .filter_map(|&i| match &fresh[i] {
+                            Ok(Fresh::New(Some(t))) => Some((keys[i].clone(), t.clone())),
+                            _ => None,
+                        })
+                        .collect();
+                    self.rt
+                        .block_on(backend.release_batch(&self.namespace, &claims));
+                    released.extend(given_back);
+                    let Ok(Fresh::Held {
+                        owner,
+                        lease_expires_at_ms,
+                    }) = &fresh[first]
+                    else {
+                        unreachable!("the first held key")
+                    };
+                    let holder = owner.as_deref().unwrap_or("an unnamed owner");
+                    if started.elapsed() >= HELD_WAIT_MAX {
+                        anyhow::bail!(
+                            "{} keys are still held after {} minutes (first: {:?}, held by \
+                             {holder}): a claim that is renewed (is the ledger namespace shared \
+                             with something other than dedup?), or runs that keep taking the \
+                             keys in turn; nothing of this batch was written or is held",
+                            held.len(),
+                            HELD_WAIT_MAX.as_secs() / 60,
+                            keys[first],
+                        );
+                    }
+                    if noted.is_none_or(|at| at.elapsed() >= HELD_NOTE_EVERY) {
+                        let now_ms = dedupgate_core::SystemClock::default().now_ms();
+                        let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
+                            format!("in {} s", t.saturating_sub(now_ms).div_ceil(1000))
+                        });
+                        eprintln!(
+                            "dedupgate dedup: waiting for {} keys another run holds and has not \
+                             completed (first: {:?}, held by {holder}, its lease ends {ends})",
+                            held.len(),
+                            keys[first],
+                        );
+                        noted = Some(std::time::Instant::now());
+                    }
+                    // Up to half a poll more at random, so that two runs waiting on each
+                    // other's keys do not keep meeting at the same instants.
+                    let jitter = std::hash::BuildHasher::hash_one(
+                        &std::collections::hash_map::RandomState::new(),
+                        started.elapsed(),
+                    ) % (HELD_POLL.as_millis() as u64 / 2 + 1);
+                    std::thread::sleep(HELD_POLL + std::time::Duration::from_millis(jitter));
+                    held
+                }
             };
-            // Hold nothing of the batch while waiting (see above).
-            self.release_new(fresh, keys);
-            let ask: Vec<usize> = (0..fresh.len())
-                .filter(|&i| matches!(fresh[i], Ok(Fresh::Held { .. } | Fresh::New(_))))
-                .collect();
-            let Ok(Fresh::Held {
-                owner,
-                lease_expires_at_ms,
-            }) = &fresh[first]
-            else {
-                unreachable!("the first held key")
-            };
-            let holder = owner.as_deref().unwrap_or("an unnamed owner");
-            if started.elapsed() >= HELD_WAIT_MAX {
-                anyhow::bail!(
-                    "{} keys are still held after {} minutes (first: {:?}, held by {holder}, \
-                     which keeps renewing its claim: is the ledger namespace shared with \
-                     something other than dedup?); nothing of this batch was written",
-                    held.len(),
-                    HELD_WAIT_MAX.as_secs() / 60,
-                    keys[first],
-                );
-            }
-            if noted.is_none_or(|at| at.elapsed() >= HELD_NOTE_EVERY) {
-                let now_ms = dedupgate_core::SystemClock::default().now_ms();
-                let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
-                    format!("in {} s", t.saturating_sub(now_ms).div_ceil(1000))
-                });
-                eprintln!(
-                    "dedupgate dedup: waiting for {} keys another run holds and has not \
-                     completed (first: {:?}, held by {holder}, its lease ends {ends})",
-                    held.len(),
-                    keys[first],
-                );
-                noted = Some(std::time::Instant::now());
-            }
-            std::thread::sleep(HELD_POLL);
             let again: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
             let answers = self.rt.block_on(backend.ledger_call(
                 &self.namespace,

@@ -356,8 +356,30 @@ impl Backend {
 
     /// Releases many claims (best effort, after a failure).
     pub async fn release_batch(&self, ns: &str, claims: &[(String, Token)]) {
-        for (k, t) in claims {
-            let _ = self.release(ns, k, t).await;
+        // One batch per 5,000 claims (the API takes 10,000 ops), not a round trip per claim.
+        // Best effort: a claim left held frees itself when its lease runs out.
+        for chunk in claims.chunks(5_000) {
+            match self {
+                Backend::Remote(c) => {
+                    let ops = chunk
+                        .iter()
+                        .map(|(k, t)| json!({"op": "release", "namespace": ns, "key": k, "token": t.as_str()}))
+                        .collect();
+                    let _ = c.batch(ops).await;
+                }
+                _ => {
+                    let Ok(gate) = self.gate().await else {
+                        return;
+                    };
+                    let mut ops = Vec::with_capacity(chunk.len());
+                    for (k, t) in chunk {
+                        if let Ok(id) = RecordId::new(ns, k.as_str()) {
+                            ops.push((id, Op::Release { token: t.clone() }));
+                        }
+                    }
+                    let _ = gate.store().apply_batch(ops).await;
+                }
+            }
         }
     }
 
