@@ -11,9 +11,16 @@
 //! termed on delivery `max_attempts` ([`ConsumerGate::max_attempts`]). The consumer's own
 //! `max_deliver` still applies: past it JetStream stops delivering the message without a term,
 //! so set `max_attempts` at or below it to have the last failure termed and logged.
+//!
+//! While the handler runs, [`handle`] tells the server the message is in progress every
+//! [`PROGRESS_EVERY`], which restarts the consumer's ack wait: a handler that runs longer than
+//! the ack wait is not delivered again meanwhile (each such redelivery would find the key held,
+//! be naked, and count against `max_deliver`). A consumer's ack wait should be at least twice
+//! that period; [`handle_with_progress`] takes another.
 
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message as JsMessage};
 use serde::Serialize;
@@ -22,6 +29,10 @@ use crate::{Action, Attempt, ConsumerGate, Handled, Message};
 
 /// The header the key comes from.
 pub const MESSAGE_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// How often [`handle`] says a message is still in progress (JetStream's default ack wait is
+/// 30 s).
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
 /// Why a message could not be settled with the server. Unsettled, it is redelivered after the
 /// consumer's ack wait.
@@ -66,6 +77,23 @@ where
     T: Serialize,
     E: fmt::Display,
 {
+    handle_with_progress(gate, message, PROGRESS_EVERY, handler).await
+}
+
+/// [`handle`], saying the message is in progress every `every` while it is processed (for a
+/// consumer whose ack wait is under twice [`PROGRESS_EVERY`]).
+pub async fn handle_with_progress<H, Fut, T, E>(
+    gate: &ConsumerGate,
+    message: &JsMessage,
+    every: Duration,
+    handler: H,
+) -> Result<Handled<T, E>, NatsError>
+where
+    H: FnOnce(Message) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    T: Serialize,
+    E: fmt::Display,
+{
     let message_id = message
         .headers
         .as_ref()
@@ -77,15 +105,27 @@ where
                 .or_else(|| headers.get(MESSAGE_ID_HEADER))
         })
         .map(|value| value.as_str());
-    let handled = gate
-        .process(
-            message_id,
-            MESSAGE_ID_HEADER,
-            &message.payload,
-            attempt(message),
-            handler,
-        )
-        .await;
+    let processing = gate.process(
+        message_id,
+        MESSAGE_ID_HEADER,
+        &message.payload,
+        attempt(message),
+        handler,
+    );
+    tokio::pin!(processing);
+    let every = every.max(Duration::from_millis(1));
+    let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let handled = loop {
+        tokio::select! {
+            handled = &mut processing => break handled,
+            _ = progress.tick() => {
+                // Best effort: a lost one only lets the ack wait run out as it would have.
+                if let Err(e) = message.ack_with(AckKind::Progress).await {
+                    tracing::debug!(error = %e, "nats: in-progress ack not sent");
+                }
+            }
+        }
+    };
     settle(message, handled.action()).await?;
     Ok(handled)
 }

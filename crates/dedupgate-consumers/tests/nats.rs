@@ -347,3 +347,46 @@ async fn a_handler_failing_twice_then_succeeding_runs_to_completion_once() {
     assert_eq!(record.result, Some(serde_json::json!("done:flaky-1")));
     fx.delete().await;
 }
+
+/// Found by review: nothing told JetStream that a message was still being handled, so a
+/// handler that ran longer than the consumer's ack wait got its message delivered again
+/// meanwhile (found held, naked, and counted against `max_deliver`). The in-progress acks
+/// restart the ack wait: here a 1 s ack wait and a 3 s handler, with one delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_longer_than_the_ack_wait_is_not_delivered_again() {
+    let fx = fixture().await;
+    let consumer: jetstream::consumer::PullConsumer = fx
+        .js
+        .get_stream(&fx.stream)
+        .await
+        .expect("stream")
+        .create_consumer(pull::Config {
+            durable_name: Some("slow".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .expect("create consumer");
+    assert!(fx.publish(Some("slow-1"), b"{}").await);
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let mut messages = consumer.messages().await.expect("messages");
+    let message = tokio::time::timeout(common::SETTLE_TIMEOUT, messages.next())
+        .await
+        .expect("a delivery")
+        .expect("the consumer ended")
+        .expect("message");
+    let handled =
+        nats::handle_with_progress(&gate, &message, Duration::from_millis(300), |_msg| async {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            Ok::<_, String>("done")
+        })
+        .await
+        .expect("settle");
+    assert_eq!(handled.action(), Action::Ack, "{handled}");
+    let info = consumer.get_info().await.expect("consumer info");
+    assert_eq!(info.num_redelivered, 0, "{info:?}");
+    assert_eq!(info.num_ack_pending, 0, "{info:?}");
+    assert_eq!(info.delivered.consumer_sequence, 1, "{info:?}");
+    fx.delete().await;
+}
