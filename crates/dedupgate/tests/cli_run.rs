@@ -735,6 +735,39 @@ fn a_store_held_by_a_server_is_refused_with_the_way_through_it() {
     }
 }
 
+/// Found by review: a signal that came while `run` waited for the store (here its directory
+/// lock, held by a server) was only looked at once the call returned, and then the call's
+/// failure decided the exit code (125). It stops `run` with `128 + N`, as documented.
+#[test]
+fn a_signal_while_run_waits_for_the_store_exits_128_plus_n() {
+    let env = Env::new("sigstore");
+    let dir = env.path("data");
+    let store = format!("embedded:{}", dir.display());
+    let _server = serve_on(&store);
+    let log = env.path("stderr.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--store", &store, "--lock-wait", "3s", "--key", "k"])
+        .args(["--", "sh", "-c", &append(&env.path("count"))])
+        .stdin(Stdio::null())
+        .stderr(fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for("the lock wait", Duration::from_secs(20), || {
+        fs::read_to_string(&log).is_ok_and(|t| t.contains("waiting up to"))
+    });
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let said = fs::read_to_string(&log).unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15), "{said}");
+    assert!(said.contains("stopped by signal 15"), "{said}");
+    assert_eq!(env.count_lines("count"), 0, "CMD must not run");
+}
+
 #[test]
 fn run_against_a_server() {
     let env = Env::new("server");

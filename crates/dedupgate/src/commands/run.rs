@@ -172,16 +172,24 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
         .context("--wait-timeout")?;
     let lock_wait_ms = parse_duration_ms(&args.lock_wait).context("--lock-wait")?;
     let spec: Option<StoreSpec> = args.store.as_deref().map(str::parse).transpose()?;
-    let backend = Backend::per_op(spec, args.server.as_deref(), lock_wait_ms).await?;
+    let backend = Backend::per_op(spec, args.server.as_deref(), lock_wait_ms).await;
+    let backend = match signalled_while_asking(&mut signals, backend)? {
+        Ok(backend) => backend,
+        Err(code) => return Ok(code),
+    };
 
     match args.mode {
         RunMode::Idempotent => {
             let result =
                 json!({"owner": plan.owner, "mode": "idempotent", "started_at": rfc3339(now_ms())});
-            match backend
+            let marked = backend
                 .mark(&plan.ns, &plan.key, plan.ttl_ms, Some(result))
-                .await?
-            {
+                .await;
+            let marked = match signalled_while_asking(&mut signals, marked)? {
+                Ok(marked) => marked,
+                Err(code) => return Ok(code),
+            };
+            match marked {
                 Mark::Duplicate { record } => {
                     eprintln!("{}", skip_message(&plan.key, &record, false));
                     Ok(args.skip_exit_code)
@@ -200,8 +208,9 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                             eprintln!(
                                 "dedupgate run: CMD never started, but its mark could not be \
                                  removed ({e:#}); later triggers skip it until the ttl ends \
-                                 (remove it with `dedupgate forget -n {} -k KEY` and admin rights)",
-                                plan.ns
+                                 (remove it with `dedupgate forget -n {} -k {:?}` and the same \
+                                 --store or --server, with admin rights on a server)",
+                                plan.ns, plan.key
                             );
                         }
                     }
@@ -218,7 +227,12 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                     fingerprint: None,
                     owner: Some(plan.owner.clone()),
                 };
-                match backend.claim(&plan.ns, &plan.key, opts).await? {
+                let claimed = backend.claim(&plan.ns, &plan.key, opts).await;
+                let claimed = match signalled_while_asking(&mut signals, claimed)? {
+                    Ok(claimed) => claimed,
+                    Err(code) => return Ok(code),
+                };
+                match claimed {
                     Claim::New(lease) => break lease,
                     Claim::Duplicate { record } => {
                         let waiting = args.wait
@@ -602,6 +616,53 @@ impl Signals {
             () = tokio::time::sleep(pause) => None,
             caught = self.rx.recv() => caught.map(|(signo, _)| signo),
         }
+    }
+}
+
+/// A store call's answer, unless a signal came while `run` waited for it (a lock held by
+/// another process, a slow connection) and the answer took nothing: then `run` stops with
+/// `128 + N`, as for a signal before CMD starts. An answer that took the key goes on, so that
+/// the signal is seen before CMD starts and the key is given back.
+/// `Ok(Err(code))`: stop with `code`.
+fn signalled_while_asking<A: TookKey>(
+    signals: &mut Signals,
+    answer: anyhow::Result<A>,
+) -> anyhow::Result<Result<A, u8>> {
+    if matches!(&answer, Ok(a) if a.took_key()) {
+        return answer.map(Ok);
+    }
+    match signals.before_cmd() {
+        Some(signo) => {
+            if let Err(e) = &answer {
+                eprintln!("dedupgate run: stopped by signal {signo} while asking the store: {e:#}");
+            }
+            Ok(Err(128 + signo as u8))
+        }
+        None => answer.map(Ok),
+    }
+}
+
+/// Whether a store answer took the key for this run.
+trait TookKey {
+    fn took_key(&self) -> bool;
+}
+
+impl TookKey for Backend {
+    /// Opening the store takes nothing.
+    fn took_key(&self) -> bool {
+        false
+    }
+}
+
+impl TookKey for Claim {
+    fn took_key(&self) -> bool {
+        matches!(self, Claim::New(_))
+    }
+}
+
+impl TookKey for Mark {
+    fn took_key(&self) -> bool {
+        matches!(self, Mark::New { .. })
     }
 }
 
