@@ -113,16 +113,23 @@ where
         handler,
     );
     tokio::pin!(processing);
-    let every = every.max(Duration::from_millis(1));
+    // A day at most: longer is no progress ack at all, and `now + every` must not overflow.
+    let every = every.clamp(Duration::from_millis(1), Duration::from_secs(86_400));
     let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let handled = loop {
         tokio::select! {
             handled = &mut processing => break handled,
             _ = progress.tick() => {
-                // Best effort: a lost one only lets the ack wait run out as it would have.
-                if let Err(e) = message.ack_with(AckKind::Progress).await {
-                    tracing::debug!(error = %e, "nats: in-progress ack not sent");
-                }
+                // Sent from a task of its own: a publish that waits (the client reconnecting)
+                // must not stop the processing, whose lease renewal runs in this future. Best
+                // effort: a lost one only lets the ack wait run out as it would have.
+                let message = message.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                        tracing::debug!(error = %e, "nats: in-progress ack not sent");
+                    }
+                });
             }
         }
     };
