@@ -12,7 +12,8 @@
 //! - Signals sent to `run` (TERM, HUP, USR1, USR2; INT and QUIT too when stdin is not a
 //!   terminal, since a terminal already delivers those to CMD) are passed on to CMD.
 //!
-//! Exit codes: CMD's own when it ran (128+N when a signal N ended it); 0 when skipped (or
+//! Exit codes: CMD's own when it ran (128+N when a signal N ended it); 128+N too when signal N
+//! stopped `run` before CMD started (the key given back); 0 when skipped (or
 //! `--skip-exit-code N`); 125 when the gate failed (store unreachable, bad key, completion not
 //! recorded); 126 when CMD could not be executed; 127 when CMD was not found; 2 for bad usage.
 
@@ -208,9 +209,10 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                             eprintln!(
                                 "dedupgate run: CMD never started, but its mark could not be \
                                  removed ({e:#}); later triggers skip it until the ttl ends \
-                                 (remove it with `dedupgate forget -n {} -k {:?}` and the same \
+                                 (remove it with `dedupgate forget -n {} -k {}` and the same \
                                  --store or --server, with admin rights on a server)",
-                                plan.ns, plan.key
+                                plan.ns,
+                                shell_quoted(&plan.key)
                             );
                         }
                     }
@@ -642,6 +644,16 @@ fn signalled_while_asking<A: TookKey>(
     }
 }
 
+/// `text` as one word for a POSIX shell: as it is when it holds only safe characters, else in
+/// single quotes (each `'` written as `'\''`).
+fn shell_quoted(text: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "._:-/@%+=,".contains(c);
+    if !text.is_empty() && text.chars().all(safe) {
+        return text.to_owned();
+    }
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
 /// Whether a store answer took the key for this run.
 trait TookKey {
     fn took_key(&self) -> bool;
@@ -728,6 +740,18 @@ async fn tee(
 mod tests {
     use super::{owner, owner_of};
     use dedupgate_core::{Claim, ClaimOptions, Gate, MemoryStore};
+
+    #[test]
+    fn keys_in_hints_are_quoted_for_a_shell() {
+        assert_eq!(
+            super::shell_quoted("backup:2026-11-22"),
+            "backup:2026-11-22"
+        );
+        assert_eq!(super::shell_quoted("a b"), "'a b'");
+        assert_eq!(super::shell_quoted("$(rm x)`y`"), "'$(rm x)`y`'");
+        assert_eq!(super::shell_quoted("it's"), r"'it'\''s'");
+        assert_eq!(super::shell_quoted(""), "''");
+    }
 
     /// Two runs of one key on one host that share a pid (containers with the host's hostname,
     /// each in its own pid namespace where `run` is often pid 1) must not name the same owner:
