@@ -1081,6 +1081,18 @@ fn gate_records_of_the_ledger_namespace_still_count() {
     }
 }
 
+/// Claims `key` in the ledger as another run would (`owner`, `lease`); its token.
+fn claim_for_another_run(store: &str, ns: &str, key: &str, lease: &str, owner: &str) -> String {
+    let held = dg()
+        .args(["claim", "--store", store, "-n", ns, "-k", key])
+        .args(["--ttl", "1h", "--lease", lease, "--owner", owner])
+        .output()
+        .unwrap();
+    assert!(held.status.success(), "{}", err(&held));
+    let answer: serde_json::Value = serde_json::from_str(&out(&held)).unwrap();
+    answer["token"].as_str().unwrap().to_owned()
+}
+
 /// Found by review: a key another run had claimed and not completed (a run that died less
 /// than a lease ago, or one still writing) was counted as a duplicate, so a run restarted
 /// right after a crash never emitted it. The run now waits for the holder: here a claim of a
@@ -1092,12 +1104,7 @@ fn a_key_another_run_holds_is_waited_for_not_dropped() {
     let (_, ns) = ledger(dir.path());
     let input = write(dir.path(), "e.jsonl", &events(0..10));
     let ids = event_ids(&input);
-    let held = dg()
-        .args(["claim", "--store", &store, "-n", &ns, "-k", &ids[3]])
-        .args(["--ttl", "1h", "--lease", "2s", "--owner", "a-run-that-died"])
-        .output()
-        .unwrap();
-    assert!(held.status.success(), "{}", err(&held));
+    claim_for_another_run(&store, &ns, &ids[3], "2s", "a-run-that-died");
     let done = dg()
         .args([
             "mark", "--store", &store, "-n", &ns, "-k", &ids[4], "--ttl", "1h",
@@ -1138,14 +1145,7 @@ fn a_run_waiting_for_a_held_key_holds_none_of_its_own() {
     let (_, ns) = ledger(dir.path());
     let input = write(dir.path(), "e.jsonl", &events(0..10));
     let ids = event_ids(&input);
-    let held = dg()
-        .args(["claim", "--store", &store, "-n", &ns, "-k", &ids[5]])
-        .args(["--ttl", "1h", "--lease", "1h", "--owner", "the-other-run"])
-        .output()
-        .unwrap();
-    assert!(held.status.success(), "{}", err(&held));
-    let answer: serde_json::Value = serde_json::from_str(&out(&held)).unwrap();
-    let token = answer["token"].as_str().unwrap().to_owned();
+    let token = claim_for_another_run(&store, &ns, &ids[5], "1h", "the-other-run");
 
     let log = dir.path().join("stderr.log");
     /// Kills the run if the test fails while it waits (the held key's lease is an hour).

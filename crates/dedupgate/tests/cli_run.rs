@@ -82,6 +82,15 @@ fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
     }
 }
 
+/// Sends signal `name` (TERM, HUP, …) to `child` with kill(1).
+fn signal(child: &Child, name: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{name}");
+}
+
 fn append(file: &Path) -> String {
     format!("echo ran >> '{}'", file.display())
 }
@@ -265,11 +274,7 @@ fn signals_to_run_reach_cmd_and_a_killed_cmd_releases_the_key() {
     wait_for("CMD to be ready", Duration::from_secs(10), || {
         env.count_lines("log") == 1
     });
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(&child, "TERM");
     let out = child.wait_with_output().unwrap();
     assert_eq!(code(&out), 42, "{}", stderr(&out));
     assert!(fs::read_to_string(&log).unwrap().contains("got-term"));
@@ -312,11 +317,7 @@ fn a_signal_ignored_at_start_stays_ignored_for_run_and_cmd() {
     wait_for("CMD to be ready", Duration::from_secs(10), || {
         env.count_lines("log") == 1
     });
-    let status = Command::new("kill")
-        .args(["-HUP", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(&child, "HUP");
     let out = child.wait_with_output().unwrap();
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert_eq!(fs::read_to_string(&log).unwrap(), "ready\ndone\n");
@@ -337,11 +338,7 @@ fn a_signal_while_waiting_ends_run_and_runs_nothing() {
     });
     let waiter = env.spawn(&["--key", "s", "--wait"], &append(&env.path("count")));
     std::thread::sleep(Duration::from_millis(700));
-    let status = Command::new("kill")
-        .args(["-TERM", &waiter.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(&waiter, "TERM");
     let out = waiter.wait_with_output().unwrap();
     assert_eq!(code(&out), 143, "{}", stderr(&out));
     assert!(
@@ -376,11 +373,7 @@ fn a_signal_before_cmd_starts_gives_the_key_back() {
         };
         let blocked = run("60s").spawn().unwrap();
         std::thread::sleep(Duration::from_millis(1500));
-        let status = Command::new("kill")
-            .args(["-TERM", &blocked.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        signal(&blocked, "TERM");
         drop(server);
         let out = blocked.wait_with_output().unwrap();
         assert_eq!(code(&out), 143, "{mode}: {}", stderr(&out));
@@ -756,11 +749,7 @@ fn a_signal_while_run_waits_for_the_store_exits_128_plus_n() {
     wait_for("the lock wait", Duration::from_secs(20), || {
         fs::read_to_string(&log).is_ok_and(|t| t.contains("waiting up to"))
     });
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(&child, "TERM");
     let out = child.wait_with_output().unwrap();
     let said = fs::read_to_string(&log).unwrap();
     assert_eq!(out.status.code(), Some(128 + 15), "{said}");
