@@ -757,6 +757,46 @@ fn a_signal_while_run_waits_for_the_store_exits_128_plus_n() {
     assert_eq!(env.count_lines("count"), 0, "CMD must not run");
 }
 
+/// Found by review: with `tiered:FAST,DIR`, `run` held the embedded directory open (and
+/// locked) while CMD ran, so a second trigger waited out `--lock-wait` and failed (125)
+/// instead of saying the key is held and skipping. Like a plain embedded store, the tiered one
+/// is opened around each call only.
+#[test]
+fn a_tiered_store_with_an_embedded_tier_is_not_held_while_cmd_runs() {
+    let env = Env::new("tiered");
+    let store = format!("tiered:memory:,embedded:{}", env.path("data").display());
+    let run = |lock_wait: &str, script: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_dedupgate"));
+        c.env("RUST_LOG", "warn")
+            .args(["run", "--store", &store, "--lock-wait", lock_wait])
+            .args(["--namespace", &env.namespace, "--key", "t"])
+            .args(["--", "sh", "-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    let log = env.path("log");
+    let first = run(
+        "5s",
+        &format!(
+            "echo ready >> '{0}'; sleep 2; echo done >> '{0}'",
+            log.display()
+        ),
+    )
+    .spawn()
+    .unwrap();
+    wait_for("CMD to be ready", Duration::from_secs(20), || {
+        env.count_lines("log") == 1
+    });
+    let second = run("500ms", &append(&env.path("count"))).output().unwrap();
+    assert_eq!(code(&second), 0, "{}", stderr(&second));
+    assert!(stderr(&second).contains("held"), "{}", stderr(&second));
+    assert_eq!(env.count_lines("count"), 0, "CMD must not run twice");
+    let first = first.wait_with_output().unwrap();
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+}
+
 #[test]
 fn run_against_a_server() {
     let env = Env::new("server");

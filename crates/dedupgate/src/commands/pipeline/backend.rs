@@ -82,6 +82,16 @@ pub async fn open_waiting(
     }
 }
 
+/// Whether `spec` opens an embedded store directory, alone or as a tier of `tiered:`: its lock
+/// admits one process at a time.
+fn holds_embedded(spec: &StoreSpec) -> bool {
+    match spec {
+        StoreSpec::Embedded(_) => true,
+        StoreSpec::Tiered(fast, durable) => holds_embedded(fast) || holds_embedded(durable),
+        _ => false,
+    }
+}
+
 impl Backend {
     /// A server at `url`, or the store `spec` held open for the whole command.
     pub async fn open(
@@ -114,15 +124,16 @@ impl Backend {
         })
     }
 
-    /// Like [`Backend::open`], but an embedded store is opened around each call only, so other
-    /// processes can use it between calls (the cron gate).
+    /// Like [`Backend::open`], but a store with an embedded directory (alone or as a tier) is
+    /// opened around each call only, so other processes can use it between calls (the cron
+    /// gate).
     pub async fn per_op(
         spec: Option<StoreSpec>,
         server: Option<&str>,
         lock_wait_ms: u64,
     ) -> anyhow::Result<Self> {
         let spec_or_default = spec.clone().unwrap_or_default();
-        if server.is_none() && matches!(spec_or_default, StoreSpec::Embedded(_)) {
+        if server.is_none() && holds_embedded(&spec_or_default) {
             // Open once now so a bad directory fails before anything runs.
             drop(open_waiting(&spec_or_default, lock_wait_ms, &EmbeddedOptions::default()).await?);
             return Ok(Backend::Local {
