@@ -174,7 +174,7 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
     let lock_wait_ms = parse_duration_ms(&args.lock_wait).context("--lock-wait")?;
     let spec: Option<StoreSpec> = args.store.as_deref().map(str::parse).transpose()?;
     let backend = Backend::per_op(spec, args.server.as_deref(), lock_wait_ms).await;
-    let backend = match signalled_while_asking(&mut signals, backend)? {
+    let backend = match signalled_while_asking(&mut signals, backend, |_| false)? {
         Ok(backend) => backend,
         Err(code) => return Ok(code),
     };
@@ -186,7 +186,9 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
             let marked = backend
                 .mark(&plan.ns, &plan.key, plan.ttl_ms, Some(result))
                 .await;
-            let marked = match signalled_while_asking(&mut signals, marked)? {
+            let marked = match signalled_while_asking(&mut signals, marked, |m| {
+                matches!(m, Mark::New { .. })
+            })? {
                 Ok(marked) => marked,
                 Err(code) => return Ok(code),
             };
@@ -230,7 +232,9 @@ async fn gate_and_run(args: RunArgs) -> anyhow::Result<u8> {
                     owner: Some(plan.owner.clone()),
                 };
                 let claimed = backend.claim(&plan.ns, &plan.key, opts).await;
-                let claimed = match signalled_while_asking(&mut signals, claimed)? {
+                let claimed = match signalled_while_asking(&mut signals, claimed, |c| {
+                    matches!(c, Claim::New(_))
+                })? {
                     Ok(claimed) => claimed,
                     Err(code) => return Ok(code),
                 };
@@ -624,13 +628,14 @@ impl Signals {
 /// A store call's answer, unless a signal came while `run` waited for it (a lock held by
 /// another process, a slow connection) and the answer took nothing: then `run` stops with
 /// `128 + N`, as for a signal before CMD starts. An answer that took the key goes on, so that
-/// the signal is seen before CMD starts and the key is given back.
-/// `Ok(Err(code))`: stop with `code`.
-fn signalled_while_asking<A: TookKey>(
+/// the signal is seen before CMD starts and the key is given back. `Ok(Err(code))`: stop with
+/// `code`.
+fn signalled_while_asking<A>(
     signals: &mut Signals,
     answer: anyhow::Result<A>,
+    took_key: impl Fn(&A) -> bool,
 ) -> anyhow::Result<Result<A, u8>> {
-    if matches!(&answer, Ok(a) if a.took_key()) {
+    if matches!(&answer, Ok(a) if took_key(a)) {
         return answer.map(Ok);
     }
     match signals.before_cmd() {
@@ -652,30 +657,6 @@ fn shell_quoted(text: &str) -> String {
         return text.to_owned();
     }
     format!("'{}'", text.replace('\'', r"'\''"))
-}
-
-/// Whether a store answer took the key for this run.
-trait TookKey {
-    fn took_key(&self) -> bool;
-}
-
-impl TookKey for Backend {
-    /// Opening the store takes nothing.
-    fn took_key(&self) -> bool {
-        false
-    }
-}
-
-impl TookKey for Claim {
-    fn took_key(&self) -> bool {
-        matches!(self, Claim::New(_))
-    }
-}
-
-impl TookKey for Mark {
-    fn took_key(&self) -> bool {
-        matches!(self, Mark::New { .. })
-    }
 }
 
 /// The signals this process started with ignored, as a mask (bit `n - 1` for signal `n`), from

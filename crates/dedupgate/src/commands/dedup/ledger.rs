@@ -28,7 +28,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::anyhow;
-use dedupgate_core::{Clock, Namespace, Token};
+use dedupgate_core::{Namespace, Token};
 use dedupgate_embedded::keyset::KeyId;
 use dedupgate_embedded::{EmbeddedStore, KeySetCall};
 use tokio::runtime::Runtime;
@@ -36,6 +36,7 @@ use tokio::task::JoinHandle;
 
 use crate::commands::pipeline::backend::{Backend, Fresh, LedgerAnswers, LedgerWrite};
 use crate::commands::pipeline::keyspec::{key_set_member, Prehashed};
+use crate::commands::pipeline::now_ms;
 
 use super::{Counts, LedgerMode};
 
@@ -391,11 +392,20 @@ impl<'a> Ledger<'a> {
     /// Gives back at once the claims a call answered "new" for `keys`, when none of their
     /// records will be written.
     fn release_new(&self, fresh: &[Result<Fresh, String>], keys: &[String]) {
-        let claimed: Vec<(String, Token)> = fresh
-            .iter()
-            .zip(keys)
-            .filter_map(|(a, k)| match a {
-                Ok(Fresh::New(Some(t))) => Some((k.clone(), t.clone())),
+        self.release_at(fresh, keys, 0..fresh.len());
+    }
+
+    /// [`Self::release_new`] for the answers at `at` only.
+    fn release_at(
+        &self,
+        fresh: &[Result<Fresh, String>],
+        keys: &[String],
+        at: impl IntoIterator<Item = usize>,
+    ) {
+        let claimed: Vec<(String, Token)> = at
+            .into_iter()
+            .filter_map(|i| match &fresh[i] {
+                Ok(Fresh::New(Some(t))) => Some((keys[i].clone(), t.clone())),
                 _ => None,
             })
             .collect();
@@ -439,80 +449,70 @@ impl<'a> Ledger<'a> {
         };
         let started = std::time::Instant::now();
         let mut noted: Option<std::time::Instant> = None;
-        // Keys of the batch given back while waiting, to claim again once nothing is held.
-        let mut released: Vec<usize> = Vec::new();
-        let mut is_released = vec![false; fresh.len()];
+        // Which keys of the batch were given back while waiting, to claim again once none is held.
+        let mut released = vec![false; fresh.len()];
         loop {
             let held: Vec<usize> = (0..fresh.len())
                 .filter(|&i| matches!(fresh[i], Ok(Fresh::Held { .. })))
                 .collect();
-            let ask = match held.first() {
-                None if released.is_empty() => return Ok(()),
-                // Nothing held any more: claim again what was given back (some may now be
-                // held by another run, and the wait goes on).
-                None => {
-                    is_released.iter_mut().for_each(|r| *r = false);
-                    std::mem::take(&mut released)
+            let ask = if let Some(&first) = held.first() {
+                // Hold nothing of the batch while waiting (see above).
+                let give_back: Vec<usize> = (0..fresh.len())
+                    .filter(|&i| !released[i] && matches!(fresh[i], Ok(Fresh::New(_))))
+                    .collect();
+                self.release_at(fresh, keys, give_back.iter().copied());
+                for i in give_back {
+                    released[i] = true;
                 }
-                Some(&first) => {
-                    // Hold nothing of the batch while waiting (see above).
-                    let given_back: Vec<usize> = (0..fresh.len())
-                        .filter(|&i| matches!(fresh[i], Ok(Fresh::New(_))) && !is_released[i])
-                        .collect();
-                    for &i in &given_back {
-                        is_released[i] = true;
-                    }
-                    let claims: Vec<(String, Token)> = given_back
-                        .iter()
-                        .filter_map(|&i| match &fresh[i] {
-                            Ok(Fresh::New(Some(t))) => Some((keys[i].clone(), t.clone())),
-                            _ => None,
-                        })
-                        .collect();
-                    self.rt
-                        .block_on(backend.release_batch(&self.namespace, &claims));
-                    released.extend(given_back);
-                    let Ok(Fresh::Held {
-                        owner,
-                        lease_expires_at_ms,
-                    }) = &fresh[first]
-                    else {
-                        unreachable!("the first held key")
-                    };
-                    let holder = owner.as_deref().unwrap_or("an unnamed owner");
-                    if started.elapsed() >= HELD_WAIT_MAX {
-                        anyhow::bail!(
-                            "{} keys are still held after {} minutes (first: {:?}, held by \
-                             {holder}): a claim that is renewed (is the ledger namespace shared \
-                             with something other than dedup?), or runs that keep taking the \
-                             keys in turn; nothing of this batch was written or is held",
-                            held.len(),
-                            HELD_WAIT_MAX.as_secs() / 60,
-                            keys[first],
-                        );
-                    }
-                    if noted.is_none_or(|at| at.elapsed() >= HELD_NOTE_EVERY) {
-                        let now_ms = dedupgate_core::SystemClock::default().now_ms();
-                        let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
-                            format!("in {} s", t.saturating_sub(now_ms).div_ceil(1000))
-                        });
-                        eprintln!(
-                            "dedupgate dedup: waiting for {} keys another run holds and has not \
-                             completed (first: {:?}, held by {holder}, its lease ends {ends})",
-                            held.len(),
-                            keys[first],
-                        );
-                        noted = Some(std::time::Instant::now());
-                    }
-                    // Up to half a poll more at random, so that two runs waiting on each
-                    // other's keys do not keep meeting at the same instants.
-                    let jitter = std::hash::BuildHasher::hash_one(
-                        &std::collections::hash_map::RandomState::new(),
-                        started.elapsed(),
-                    ) % (HELD_POLL.as_millis() as u64 / 2 + 1);
-                    std::thread::sleep(HELD_POLL + std::time::Duration::from_millis(jitter));
-                    held
+                let Ok(Fresh::Held {
+                    owner,
+                    lease_expires_at_ms,
+                }) = &fresh[first]
+                else {
+                    unreachable!("the first held key")
+                };
+                let holder = owner.as_deref().unwrap_or("an unnamed owner");
+                if started.elapsed() >= HELD_WAIT_MAX {
+                    anyhow::bail!(
+                        "{} keys are still held after {} minutes (first: {:?}, held by \
+                         {holder}): a claim that is renewed (is the ledger namespace shared \
+                         with something other than dedup?), or runs that keep taking the \
+                         keys in turn; nothing of this batch was written or is held",
+                        held.len(),
+                        HELD_WAIT_MAX.as_secs() / 60,
+                        keys[first],
+                    );
                 }
+                if noted.is_none_or(|at| at.elapsed() >= HELD_NOTE_EVERY) {
+                    let ends = lease_expires_at_ms.map_or("unknown".to_owned(), |t| {
+                        let left_ms = i64::try_from(t).unwrap_or(i64::MAX) - now_ms();
+                        format!("in {} s", left_ms.max(0).unsigned_abs().div_ceil(1000))
+                    });
+                    eprintln!(
+                        "dedupgate dedup: waiting for {} keys another run holds and has not \
+                         completed (first: {:?}, held by {holder}, its lease ends {ends})",
+                        held.len(),
+                        keys[first],
+                    );
+                    noted = Some(std::time::Instant::now());
+                }
+                // Up to half a poll more at random, so that two runs waiting on each other's
+                // keys do not keep meeting at the same instants.
+                let jitter = std::hash::BuildHasher::hash_one(
+                    &std::collections::hash_map::RandomState::new(),
+                    started.elapsed(),
+                ) % (HELD_POLL.as_millis() as u64 / 2 + 1);
+                std::thread::sleep(HELD_POLL + std::time::Duration::from_millis(jitter));
+                held
+            } else {
+                // Nothing held any more: claim again what was given back (some may now be held
+                // by another run, and the wait goes on).
+                let again: Vec<usize> = (0..fresh.len()).filter(|&i| released[i]).collect();
+                if again.is_empty() {
+                    return Ok(());
+                }
+                released.fill(false);
+                again
             };
             let again: Vec<String> = ask.iter().map(|&i| keys[i].clone()).collect();
             let answers = self.rt.block_on(backend.ledger_call(
