@@ -7,6 +7,8 @@
 //! store ships with [`FjallEngine`] (see `docs/embedded-engine.md` for why and how).
 
 use std::ops::Bound;
+
+use crate::idfilter::{IdFilter, IdScan};
 use std::path::{Path, PathBuf};
 
 /// Why an engine call failed. Any of these inside a write makes the store fail closed.
@@ -210,6 +212,8 @@ pub struct FjallEngine {
     last: PutBuffer,
     /// Scratch for a transaction's applied puts (becomes `last` at a commit).
     applied: PutBuffer,
+    /// Which ids `entries` may hold (see [`crate::idfilter`]); lent to each transaction.
+    ids: Option<IdFilter>,
 }
 
 /// Bytes of entry puts a transaction buffers before it gives them to fjall (a batch of 8,192
@@ -286,6 +290,7 @@ impl FjallEngine {
             puts: PutBuffer::default(),
             last: PutBuffer::default(),
             applied: PutBuffer::default(),
+            ids: Some(IdFilter::new()),
         })
     }
 }
@@ -327,6 +332,8 @@ struct FjallTxn<'e> {
     applied: &'e mut PutBuffer,
     /// Set once this transaction changed an entry in fjall: `last` may no longer be current.
     entries_changed: bool,
+    /// Which ids `entries` may hold: told of every put before fjall is.
+    ids: &'e mut IdFilter,
 }
 
 /// Entry puts of one transaction: `(start, key length, value length)` spans into `bytes`, each
@@ -397,6 +404,9 @@ impl FjallTxn<'_> {
 impl Txn for FjallTxn<'_> {
     fn get(&mut self, id: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
         self.flush()?;
+        if !self.ids.may_hold(self.ids.hash(id)) {
+            return Ok(false);
+        }
         if !self.entries_changed {
             if let Some(v) = self.last.find(id) {
                 out.clear();
@@ -409,6 +419,8 @@ impl Txn for FjallTxn<'_> {
 
     fn put(&mut self, id: &[u8], value: &[u8]) -> Result<(), EngineError> {
         self.wrote = true;
+        let hash = self.ids.hash(id);
+        self.ids.add(hash);
         let buf = &mut *self.puts;
         let too_long = || EngineError::Other("an entry longer than 4 GiB".into());
         let at = u32::try_from(buf.bytes.len()).map_err(|_| too_long())?;
@@ -429,6 +441,7 @@ impl Txn for FjallTxn<'_> {
         // The puts applied so far may include this key: none of them may become `last`.
         self.applied.clear();
         self.entries_changed = true;
+        self.ids.removed();
         self.engine.entries.remove(id)?;
         Ok(())
     }
@@ -545,6 +558,20 @@ fn copy_found(found: Option<fjall::Slice>, out: &mut Vec<u8>) -> bool {
     }
 }
 
+/// Every key of a snapshot of `entries`, for the id filter's scan (which owns the snapshot, so
+/// the versions it reads stay).
+fn scan_ids(snapshot: fjall::Snapshot) -> IdScan {
+    Box::new(move |each| {
+        for key in snapshot.keys() {
+            let key = key.map_err(|e| EngineError::from(fjall::Error::from(e)).to_string())?;
+            if !each(&key) {
+                break;
+            }
+        }
+        Ok(())
+    })
+}
+
 struct FjallView(fjall::Snapshot);
 
 impl DurableView for FjallView {
@@ -555,6 +582,12 @@ impl DurableView for FjallView {
 
 impl Engine for FjallEngine {
     fn write(&mut self, body: &mut TxnBody<'_>) -> Result<(), EngineError> {
+        let mut ids = self.ids.take().expect("lent to one transaction at a time");
+        // Between transactions, so a scan's snapshot holds every put made before it.
+        ids.maintain(
+            || self.entries.approximate_len() as u64,
+            || Ok(scan_ids(self.entries.snapshot_at(self.keyspace.instant()))),
+        );
         let mut puts = std::mem::take(&mut self.puts);
         let mut applied = std::mem::take(&mut self.applied);
         let last = std::mem::take(&mut self.last);
@@ -565,6 +598,7 @@ impl Engine for FjallEngine {
             last: &last,
             applied: &mut applied,
             entries_changed: false,
+            ids: &mut ids,
         };
         let commit = body(&mut txn);
         // An aborted transaction writes nothing more (what it wrote before is not committed:
@@ -584,6 +618,7 @@ impl Engine for FjallEngine {
         self.applied.clear();
         puts.clear();
         self.puts = puts;
+        self.ids = Some(ids);
         let commit = commit?;
         flushed?;
         if commit && wrote {

@@ -39,6 +39,7 @@
 pub mod codec;
 pub mod engine;
 mod error;
+mod idfilter;
 pub mod keyset;
 mod store;
 mod writer;

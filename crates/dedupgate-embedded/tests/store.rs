@@ -1102,3 +1102,45 @@ async fn a_sweep_raises_the_persisted_clock_floor() {
         "the sweep's instant"
     );
 }
+
+/// The writer skips the engine's read of an id its filter of stored ids has never seen
+/// (`idfilter`). A stored id must stay a duplicate whether it was stored before this open (found
+/// by the filter's scan, or read from the engine while the scan runs) or during it, and a new
+/// id must stay new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_ids_stay_duplicates_across_reopens_while_and_after_the_id_filter_is_built() {
+    const STORED: usize = 30_000;
+    const BATCH: usize = 2_500;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let claims = |range: std::ops::Range<usize>| -> Vec<(RecordId, Op)> {
+        range.map(|i| (id(&format!("k{i}")), claim_op())).collect()
+    };
+    let all_new = |answers: &[Result<Outcome, GateError>]| {
+        answers
+            .iter()
+            .all(|a| matches!(a, Ok(Outcome::Claimed(Claim::New(_)))))
+    };
+    let all_duplicates = |answers: &[Result<Outcome, GateError>]| {
+        answers
+            .iter()
+            .all(|a| matches!(a, Ok(Outcome::Claimed(Claim::Duplicate { .. }))))
+    };
+    {
+        let store = open(&dir).unwrap();
+        for start in (0..STORED).step_by(BATCH) {
+            assert!(all_new(&store.apply_batch(claims(start..start + BATCH)).await));
+        }
+    }
+    for round in 0..3 {
+        let store = open(&dir).unwrap();
+        // The first batch goes in at once, while the scan of the stored ids has barely begun.
+        for start in (0..STORED).step_by(BATCH) {
+            let answers = store.apply_batch(claims(start..start + BATCH)).await;
+            assert!(all_duplicates(&answers), "round {round}, keys from {start}");
+        }
+        let fresh = STORED + round * BATCH..STORED + (round + 1) * BATCH;
+        assert!(all_new(&store.apply_batch(claims(fresh.clone())).await));
+        assert!(all_duplicates(&store.apply_batch(claims(fresh)).await));
+    }
+}
