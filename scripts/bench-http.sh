@@ -7,8 +7,13 @@
 #   - the same wrk runs against dedupgate serve on memory: (the HTTP face without the durable
 #     commit, for attribution),
 #   - redis-benchmark -c 50 -P 1 right before the single-claim run and -P 16 right before the
-#     batch run, SET key:__rand_int__ 1 NX EX 86400 -r 1000000 against the machine's Redis (db 15,
-#     its keys removed afterwards),
+#     batch run, SET key:__rand_int__ 1 NX EX 86400 against the machine's Redis (db 15, emptied
+#     before each run and afterwards), on fresh keys (-r 100000000) as every wrk claim is; and,
+#     beside `dedupgate bench` (keys uniform in 0..1,000,000), on -r 1000000 as that generator,
+#     where most SETs after the first million find their key (NX: nothing written),
+#   - the same fresh-key redis-benchmark runs against a private redis-server made durable the
+#     way the gate is (appendonly yes, appendfsync always: every answer fsync'd first; its AOF
+#     on the same disk, in the run's directory), for reference (DURABLE_REDIS=0 skips them),
 # then prints a markdown table with the ratios and the CPU each side used. Every wrk key is
 # unique, so every answer must be a 200 "new"; a run with any other answer is marked INVALID and
 # the script exits 1. wrk waits up to 10 s for an answer (the server's own request timeout).
@@ -20,6 +25,7 @@ CONNS=${2:-50}
 BATCH=${3:-100}
 WRK_THREADS=${WRK_THREADS:-2}
 DEDUPGATE_BENCH=${DEDUPGATE_BENCH:-1}
+DURABLE_REDIS=${DURABLE_REDIS:-1}
 REDIS_HOST=${REDIS_HOST:-127.0.0.1}
 REDIS_PORT=${REDIS_PORT:-6379}
 REDIS_DB=${REDIS_DB:-15}
@@ -30,7 +36,9 @@ BIN=target/release/dedupgate
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/dedupgate-bench.XXXXXX")
 RUN_ID=$(date +%s)-$$
 SERVER=
+DURABLE_PORT=
 cleanup() {
+  if [ -n "$DURABLE_PORT" ]; then redis-cli -p "$DURABLE_PORT" shutdown nosave >/dev/null 2>&1 || true; fi
   if [ -n "$SERVER" ]; then kill -TERM "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; fi
   rm -rf "$WORK"
 }
@@ -99,12 +107,16 @@ echo "# $(date -u +%FT%TZ) $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/
 # Redis beside each gate run, so a pair is measured within seconds of each other on a machine
 # whose load moves: about SECS seconds of requests at the rates of an idle run.
 REDIS_PID=$(redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" info server | tr -d '\r' | sed -n 's/^process_id://p')
-redis_run() { # $1 = name, $2 = pipeline depth, $3 = requests
+redis_flush() { redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" flushdb >/dev/null; }
+# $1 = name, $2 = pipeline depth, $3 = requests, $4 = key range (-r); REDIS_PORT, REDIS_DB and
+# REDIS_PID say which server (the machine's unless set for the call).
+redis_run() {
   local before after start end
+  redis_flush
   before=$(cpu_s "$REDIS_PID"); start=$(date +%s.%N)
   /usr/bin/time -f '%U %S' -o "$WORK/$1.time" \
     redis-benchmark -h "$REDIS_HOST" -p "$REDIS_PORT" --dbnum "$REDIS_DB" -c 50 -P "$2" \
-    -n "$3" -r 1000000 --csv SET key:__rand_int__ 1 NX EX 86400 | tail -n1 > "$WORK/$1.csv"
+    -n "$3" -r "$4" --csv SET key:__rand_int__ 1 NX EX 86400 | tail -n1 > "$WORK/$1.csv"
   after=$(cpu_s "$REDIS_PID"); end=$(date +%s.%N)
   python3 - "$WORK" "$1" "$before" "$after" "$start" "$end" <<'PY'
 import csv, json, sys
@@ -121,17 +133,33 @@ PY
 }
 start_server "embedded:$WORK/data" serve
 echo "# $(head -n1 "$WORK/serve.log" | sed 's/.*listening/listening/')" >&2
-redis_run redis1 1 $((70000 * SECS))
+# Fresh keys on both sides: every wrk claim is a new key, and so is (almost) every SET.
+redis_run redis1 1 $((70000 * SECS)) 100000000
 wrk_run emb-single scripts/wrk-claim.lua "$RUN_ID-es"
-redis_run redis16 16 $((350000 * SECS))
+redis_run redis16 16 $((350000 * SECS)) 100000000
 wrk_run emb-batch scripts/wrk-batch.lua "$RUN_ID-eb" "$BATCH"
 if [ "$DEDUPGATE_BENCH" = 1 ]; then
+  # Keys uniform in 0..1,000,000 on both sides (mostly duplicates once the first million came).
+  redis_run redis1-r1m 1 $((70000 * SECS)) 1000000
   bench_run bench-single --mode single
+  redis_run redis16-r1m 16 $((350000 * SECS)) 1000000
   bench_run bench-batch --mode batch --batch-size "$BATCH"
 fi
 stop_server
-redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" --scan --pattern 'key:*' \
-  | xargs -r -n 10000 redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" -n "$REDIS_DB" unlink >/dev/null || true
+redis_flush
+
+if [ "$DURABLE_REDIS" = 1 ]; then
+  DURABLE_PORT=$(free_port)
+  mkdir -p "$WORK/aof"
+  redis-server --port "$DURABLE_PORT" --bind 127.0.0.1 --daemonize yes --save "" \
+    --appendonly yes --appendfsync always --dir "$WORK/aof" --logfile "$WORK/aof/redis.log"
+  for _ in $(seq 1 50); do redis-cli -p "$DURABLE_PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
+  DURABLE_PID=$(redis-cli -p "$DURABLE_PORT" info server | tr -d '\r' | sed -n 's/^process_id://p')
+  REDIS_PORT=$DURABLE_PORT REDIS_DB=0 REDIS_PID=$DURABLE_PID redis_run aof1 1 $((50000 * SECS)) 100000000
+  REDIS_PORT=$DURABLE_PORT REDIS_DB=0 REDIS_PID=$DURABLE_PID redis_run aof16 16 $((200000 * SECS)) 100000000
+  redis-cli -p "$DURABLE_PORT" shutdown nosave >/dev/null 2>&1 || true
+  DURABLE_PORT=
+fi
 
 start_server memory: serve-mem
 wrk_run mem-single scripts/wrk-claim.lua "$RUN_ID-ms"
@@ -140,21 +168,30 @@ stop_server
 
 echo "# done $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
-python3 - "$WORK" "$CONNS" "$BATCH" "$WRK_THREADS" "$DEDUPGATE_BENCH" <<'PY'
+python3 - "$WORK" "$CONNS" "$BATCH" "$WRK_THREADS" "$DEDUPGATE_BENCH" "$DURABLE_REDIS" <<'PY'
 import json, os, sys
-work, conns, batch, threads, with_bench = sys.argv[1:6]
+work, conns, batch, threads, with_bench, with_durable = sys.argv[1:7]
 load = lambda n: json.load(open(f"{work}/{n}.json"))
 r1, r16 = load("redis1"), load("redis16")
+durable = {"-P 1": load("aof1"), "-P 16": load("aof16")} if with_durable == "1" else {}
 rows = [
-    ("redis-benchmark -c 50 -P 1 (SET NX EX)", r1, None, ""),
-    ("redis-benchmark -c 50 -P 16 (SET NX EX)", r16, None, ""),
-    (f"wrk -t{threads} -c{conns}: HTTP single claim, embedded", load("emb-single"), ("-P 1", r1), ">= 0.5x, p99 < 5 ms"),
-    (f"wrk -t{threads} -c{conns}: HTTP batch of {batch} claims, embedded", load("emb-batch"), ("-P 16", r16), ">= 1x"),
+    ("redis-benchmark -c 50 -P 1 (SET NX EX), fresh keys", r1, None, ""),
+    ("redis-benchmark -c 50 -P 16 (SET NX EX), fresh keys", r16, None, ""),
+    (f"wrk -t{threads} -c{conns}: HTTP single claim, embedded, fresh keys", load("emb-single"), ("-P 1", r1), ">= 0.5x, p99 < 5 ms"),
+    (f"wrk -t{threads} -c{conns}: HTTP batch of {batch} claims, embedded, fresh keys", load("emb-batch"), ("-P 16", r16), ">= 1x"),
 ]
 if with_bench == "1":
+    r1m1, r1m16 = load("redis1-r1m"), load("redis16-r1m")
     rows += [
-        (f"dedupgate bench -c {conns}: single claim, embedded", load("bench-single"), ("-P 1", r1), "(other generator)"),
-        (f"dedupgate bench -c {conns}: batch of {batch}, embedded", load("bench-batch"), ("-P 16", r16), "(other generator)"),
+        ("redis-benchmark -c 50 -P 1 (SET NX EX), keys in 0..1M", r1m1, None, ""),
+        ("redis-benchmark -c 50 -P 16 (SET NX EX), keys in 0..1M", r1m16, None, ""),
+        (f"dedupgate bench -c {conns}: single claim, embedded, keys in 0..1M", load("bench-single"), ("-P 1 (0..1M)", r1m1), ">= 0.5x"),
+        (f"dedupgate bench -c {conns}: batch of {batch}, embedded, keys in 0..1M", load("bench-batch"), ("-P 16 (0..1M)", r1m16), ">= 1x"),
+    ]
+if durable:
+    rows += [
+        ("durable redis-server (appendfsync always) -c 50 -P 1, fresh keys", durable["-P 1"], ("-P 1", r1), "reference"),
+        ("durable redis-server (appendfsync always) -c 50 -P 16, fresh keys", durable["-P 16"], ("-P 16", r16), "reference"),
     ]
 rows += [
     (f"wrk -t{threads} -c{conns}: single claim, memory store (not durable)", load("mem-single"), ("-P 1", r1), "attribution only"),
@@ -165,6 +202,8 @@ print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 invalid = []
 for name, r, base, target in rows:
     ratio = f"{r['ops_per_s'] / base[1]['ops_per_s']:.2f}x of {base[0]}" if base else "1.00"
+    if base and durable and "embedded, fresh keys" in name:
+        ratio += f"; {r['ops_per_s'] / durable[base[0]]['ops_per_s']:.2f}x of durable {base[0]}"
     if r["errors"]:
         invalid.append(f"{name}: {r['error_detail']}")
         ratio += " INVALID"

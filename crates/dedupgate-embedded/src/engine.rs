@@ -220,6 +220,21 @@ pub struct FjallEngine {
 /// claims is about 1.5 MB).
 const PUT_BUFFER_BYTES_MAX: usize = 16 << 20;
 
+/// fjall's throttles, which sleep on the thread that writes (ours: the writer, so every caller
+/// waits): past 90% of `max_journaling_size` an insert that seals a memtable sleeps 500 ms, and
+/// past 90% of `max_write_buffer_size` an insert sleeps 100 ms (10 ms at a time above it). A
+/// sealed journal counts its 32 MiB preallocation and stays until every partition written in it
+/// has flushed (the small expiry and meta memtables too), so at the old 64 MiB two sealed
+/// journals crossed the line: a load of new keys slept ~25% of the writer's time (`perf sched`:
+/// 500 ms and 100 ms sleeps) and a batch's p99 was ~0.7 s. These (still below fjall's defaults
+/// of 512 and 64 MiB) leave room for the active memtables, the sealed ones being flushed and
+/// more before throttling, which still comes when the flushes fall behind for good. The price:
+/// a crash with that much unflushed replays it at the next open (a clean close flushes
+/// everything first; see `docs/embedded-engine.md`).
+const JOURNALING_BYTES_MAX: u64 = 192 << 20;
+/// Memtable bytes (active and sealed, every partition) before fjall throttles; see above.
+const WRITE_BUFFER_BYTES_MAX: u64 = 128 << 20;
+
 /// The engine's block cache unless [`crate::EmbeddedOptions::cache_bytes`] says otherwise.
 pub const CACHE_BYTES_DEFAULT: u64 = 64 << 20;
 
@@ -251,9 +266,9 @@ impl FjallEngine {
     /// [`FjallEngine::open`] with `cache_bytes` of block cache.
     pub fn open_with_cache(path: &Path, cache_bytes: u64) -> Result<Self, EngineError> {
         let keyspace = fjall::Config::new(path)
-            // Journals are replayed on open: bounding them bounds recovery time after a crash.
-            .max_journaling_size(64 << 20)
-            .max_write_buffer_size(32 << 20)
+            // Journals are replayed on open after a crash; see the constants for the bounds.
+            .max_journaling_size(JOURNALING_BYTES_MAX)
+            .max_write_buffer_size(WRITE_BUFFER_BYTES_MAX)
             .cache_size(cache_bytes)
             // Durability comes from the writer's persist at each commit, and nothing is synced
             // on a timer.

@@ -1129,7 +1129,9 @@ async fn stored_ids_stay_duplicates_across_reopens_while_and_after_the_id_filter
     {
         let store = open(&dir).unwrap();
         for start in (0..STORED).step_by(BATCH) {
-            assert!(all_new(&store.apply_batch(claims(start..start + BATCH)).await));
+            assert!(all_new(
+                &store.apply_batch(claims(start..start + BATCH)).await
+            ));
         }
     }
     for round in 0..3 {
