@@ -192,6 +192,11 @@ impl From<fjall::Error> for EngineError {
 /// a crash mid-batch may keep some of its (unacknowledged) changes, which the writer tolerates by
 /// ordering them (a batch's expiry-index records before its entries).
 pub struct FjallEngine {
+    /// Which ids `entries` may hold (see [`crate::idfilter`]); lent to each transaction. First,
+    /// so it is dropped first: dropping it stops and joins a scan still reading the keyspace,
+    /// whose file handles fjall closes when the keyspace goes (the scan would then panic on a
+    /// block it has to read).
+    ids: Option<IdFilter>,
     keyspace: fjall::Keyspace,
     entries: fjall::PartitionHandle,
     expiry: fjall::PartitionHandle,
@@ -212,8 +217,6 @@ pub struct FjallEngine {
     last: PutBuffer,
     /// Scratch for a transaction's applied puts (becomes `last` at a commit).
     applied: PutBuffer,
-    /// Which ids `entries` may hold (see [`crate::idfilter`]); lent to each transaction.
-    ids: Option<IdFilter>,
 }
 
 /// Bytes of entry puts a transaction buffers before it gives them to fjall (a batch of 8,192
@@ -226,9 +229,9 @@ const PUT_BUFFER_BYTES_MAX: usize = 16 << 20;
 /// sealed journal counts its 32 MiB preallocation and stays until every partition written in it
 /// has flushed (the small expiry and meta memtables too), so at the old 64 MiB two sealed
 /// journals crossed the line: a load of new keys slept ~25% of the writer's time (`perf sched`:
-/// 500 ms and 100 ms sleeps) and a batch's p99 was ~0.7 s. These (still below fjall's defaults
-/// of 512 and 64 MiB) leave room for the active memtables, the sealed ones being flushed and
-/// more before throttling, which still comes when the flushes fall behind for good. The price:
+/// 500 ms and 100 ms sleeps) and a batch's p99 was ~0.7 s. These (fjall's defaults are 512 and
+/// 64 MiB) leave room for the active memtables, the sealed ones being flushed and more before
+/// throttling, which still comes when the flushes fall behind for good. The price:
 /// a crash with that much unflushed replays it at the next open (a clean close flushes
 /// everything first; see `docs/embedded-engine.md`).
 const JOURNALING_BYTES_MAX: u64 = 192 << 20;

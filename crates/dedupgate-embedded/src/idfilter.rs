@@ -46,6 +46,9 @@ pub(crate) type IdScan =
 struct Build {
     filter: BloomFilter,
     capacity: u64,
+    /// Ids new to `filter` put since it was made (some may be in the scan too: an overcount
+    /// only brings the next rebuild sooner).
+    added: u64,
     result: mpsc::Receiver<ScanResult>,
     cancel: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -132,7 +135,9 @@ impl IdFilter {
             }
         }
         if let Some(build) = &mut self.building {
-            build.filter.insert_hash(hash);
+            if !build.filter.insert_hash(hash) {
+                build.added += 1;
+            }
         }
     }
 
@@ -162,20 +167,16 @@ impl IdFilter {
                         filter: build.filter,
                         capacity: build.capacity,
                         scanned: ids,
-                        added: 0,
+                        added: build.added,
                         removed: 0,
                     });
                 }
                 Ok(Err(why)) => {
-                    tracing::warn!(error = %why, "the id filter's scan failed; reads go to the engine");
-                    self.abandon();
+                    self.abandon(&why);
                     return;
                 }
                 Err(mpsc::TryRecvError::Disconnected) => {
-                    tracing::warn!(
-                        "the id filter's scan stopped without an answer; reads go to the engine"
-                    );
-                    self.abandon();
+                    self.abandon("the scan stopped without an answer");
                     return;
                 }
             }
@@ -183,21 +184,27 @@ impl IdFilter {
         if self.scan_failed || self.live.as_ref().is_some_and(|live| !live.worn()) {
             return;
         }
+        // Removed ids put again count in both `added` and `removed`: the last scan's count
+        // keeps a floor under the estimate.
         let wanted = match &self.live {
-            Some(live) => live.held().saturating_sub(live.removed),
+            Some(live) => live.held().saturating_sub(live.removed).max(live.scanned),
             None => approximate_ids(),
         };
         let capacity = wanted.saturating_mul(2).max(CAPACITY_MIN);
         match scan() {
             Ok(ids) => self.start_build(capacity, ids),
-            Err(why) => {
-                tracing::warn!(error = %why, "the id filter's scan could not start; reads go to the engine");
-                self.scan_failed = true;
-            }
+            Err(why) => self.abandon(&why),
         }
     }
 
-    fn abandon(&mut self) {
+    /// Gives up building until the engine reopens: the filter that answers, if any, goes on
+    /// answering (worn, never wrong), else every read goes to the engine.
+    fn abandon(&mut self, why: &str) {
+        if self.live.is_some() {
+            tracing::warn!(error = %why, "the id filter could not be rebuilt; the current one answers until the store reopens");
+        } else {
+            tracing::warn!(error = %why, "the id filter could not be built; every read goes to the engine until the store reopens");
+        }
         if let Some(mut build) = self.building.take() {
             build.stop();
         }
@@ -227,15 +234,13 @@ impl IdFilter {
                 self.building = Some(Build {
                     filter: bloom(capacity),
                     capacity,
+                    added: 0,
                     result,
                     cancel,
                     thread: Some(thread),
                 });
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "no thread for the id filter's scan; reads go to the engine");
-                self.scan_failed = true;
-            }
+            Err(e) => self.abandon(&format!("no thread for the scan: {e}")),
         }
     }
 
