@@ -3,10 +3,11 @@
 //! For each record count in `DG_OPEN_RECORDS` (default `100000,1000000`): fills a new store with
 //! that many unique claims through `apply_batch` (batches of `DG_OPEN_BATCH`, default 1,000; the
 //! fill rate is the store's batch-claim throughput), closes it cleanly (timed: the close flushes
-//! every memtable, waiting at most 5 s), and times `EmbeddedStore::open` three times (each followed by a clean close). Then the same after a
-//! crash: a child process (this binary again) fills a new store and exits without closing it, so
-//! the next open must replay the journal. Prints a markdown table. Files go under `DG_BENCH_DIR`
-//! (default the system temp dir) and are removed afterwards.
+//! every memtable, waiting at most 5 s), and times `EmbeddedStore::open` three times (each
+//! followed by a clean close). Then the same after a crash: a child process (this binary again)
+//! fills a new store and exits without closing it, so the next open must replay the journal.
+//! Prints a markdown table. Files go under `DG_BENCH_DIR` (default the system temp dir) and are
+//! removed afterwards.
 
 use std::time::Instant;
 

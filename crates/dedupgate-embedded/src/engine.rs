@@ -7,9 +7,9 @@
 //! store ships with [`FjallEngine`] (see `docs/embedded-engine.md` for why and how).
 
 use std::ops::Bound;
+use std::path::{Path, PathBuf};
 
 use crate::idfilter::{IdFilter, IdScan};
-use std::path::{Path, PathBuf};
 
 /// Why an engine call failed. Any of these inside a write makes the store fail closed.
 #[derive(Debug, thiserror::Error)]
@@ -422,7 +422,7 @@ impl FjallTxn<'_> {
 impl Txn for FjallTxn<'_> {
     fn get(&mut self, id: &[u8], out: &mut Vec<u8>) -> Result<bool, EngineError> {
         self.flush()?;
-        if !self.ids.may_hold(self.ids.hash(id)) {
+        if !self.ids.may_hold(id) {
             return Ok(false);
         }
         if !self.entries_changed {
@@ -437,8 +437,7 @@ impl Txn for FjallTxn<'_> {
 
     fn put(&mut self, id: &[u8], value: &[u8]) -> Result<(), EngineError> {
         self.wrote = true;
-        let hash = self.ids.hash(id);
-        self.ids.add(hash);
+        self.ids.add(id);
         let buf = &mut *self.puts;
         let too_long = || EngineError::Other("an entry longer than 4 GiB".into());
         let at = u32::try_from(buf.bytes.len()).map_err(|_| too_long())?;
