@@ -40,9 +40,27 @@ pub enum ServeError {
     /// Bad configuration.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// Binding or accepting failed.
+    /// The listen address cannot be bound: named, so a busy port says which one.
+    #[error("{}", bind_message(addr, error))]
+    Bind {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// Why binding failed (in the message already, so not also the error's source).
+        error: std::io::Error,
+    },
+    /// Accepting or serving failed.
     #[error("proxy I/O: {0}")]
     Io(std::io::Error),
+}
+
+fn bind_message(addr: &std::net::SocketAddr, e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => format!("{addr} is in use by another process"),
+        std::io::ErrorKind::AddrNotAvailable => {
+            format!("cannot listen on {addr}: no interface of this machine has that address")
+        }
+        _ => format!("cannot listen on {addr}: {e}"),
+    }
 }
 
 // By hand rather than `#[from]`: the message already holds the cause, so it is not also the

@@ -88,7 +88,13 @@ impl ProxyServer {
         let upstream = Upstream::new(&config.upstream)?;
         let request_bytes_max = config.idempotency.request_bytes_max;
         let layer = IdempotencyLayer::new(store, config.idempotency)?;
-        let listener = TcpListener::bind(config.listen).await?;
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|error| ServeError::Bind {
+                    addr: config.listen,
+                    error,
+                })?;
         Ok(Self {
             listener,
             service: layer.layer(upstream),

@@ -270,3 +270,25 @@ fn a_connection_limit_of_zero_is_refused() {
     assert!(err.contains("--connections-max"), "{err}");
     assert!(!dir.path().join("s").exists(), "nothing created");
 }
+
+/// A busy listen address is named in the error (it said only "Address already in use").
+#[test]
+fn a_busy_port_is_named() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = held.local_addr().unwrap().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .args([
+            "proxy",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--store",
+            "memory:",
+        ])
+        .args(["--listen", &addr])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("{addr} is in use")), "{err}");
+    assert!(err.contains("--listen"), "{err}");
+}

@@ -13,7 +13,7 @@ use anyhow::Context;
 use dedupgate_proxy::http::HeaderName;
 use dedupgate_proxy::{
     parse_duration_ms, ConfigFile, IdempotencyConfig, ProxyConfig, ProxyServer, Requirement,
-    Sealer, UpstreamConfig,
+    Sealer, ServeError, UpstreamConfig,
 };
 
 use dedupgate_stores::{self as store_spec, StoreSpec};
@@ -215,7 +215,12 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
     let describe = store.describe();
     let server = ProxyServer::bind(r.config, store)
         .await
-        .context("cannot start the proxy")?;
+        .map_err(|e| match &e {
+            ServeError::Bind { error, .. } if error.kind() == std::io::ErrorKind::AddrInUse => {
+                anyhow::anyhow!("cannot start the proxy: {e}; give another address with --listen")
+            }
+            _ => anyhow::Error::new(e).context("cannot start the proxy"),
+        })?;
     let addr = server.local_addr()?;
     match pending {
         None => tracing::info!(
