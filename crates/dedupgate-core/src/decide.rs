@@ -126,6 +126,11 @@ pub fn decide(
             match e.state {
                 EntryState::InProgress if owner.is_some() && e.owner == owner => {
                     // The same worker again (its first answer was lost): same token and fence.
+                    // The renewal never shortens the lease it renews (a retry may name a
+                    // shorter lease than the claim it repeats, or none at all).
+                    let lease_expires_at_ms = e
+                        .lease_expires_at_ms
+                        .map_or(lease_expires_at_ms, |l| l.max(lease_expires_at_ms));
                     let mut renewed = e.clone();
                     renewed.lease_expires_at_ms = Some(lease_expires_at_ms);
                     renewed.expires_at_ms = e.expires_at_ms.max(lease_expires_at_ms);

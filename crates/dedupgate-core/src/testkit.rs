@@ -55,6 +55,7 @@ cases!(
     extend_keeps_the_key,
     retried_complete_is_answered_and_a_second_release_refused,
     complete_with_ttl_moves_expiry,
+    same_owner_reclaim_never_shortens_its_lease,
     get_and_forget,
     invalid_ops_change_nothing,
     keys_are_stored_exactly,
@@ -548,6 +549,60 @@ async fn complete_with_ttl_moves_expiry(h: &dyn Harness) {
         c.get("evt").await.is_some(),
         "kept for the ttl given at completion"
     );
+}
+
+/// A same-owner re-claim naming a shorter lease (or none, so the default) renews the claim it
+/// repeats without cutting its lease, alone or in a batch of claims.
+async fn same_owner_reclaim_never_shortens_its_lease(h: &dyn Harness) {
+    let c = Ctx::new(h, "reclaim_lease");
+    let claim = |lease_ms| Op::Claim {
+        ttl_ms: TTL_MS,
+        lease_ms,
+        fingerprint: None,
+        owner: Some("worker-7".to_owned()),
+    };
+    let keys = ["evt", "b1", "b2"];
+    let mut first = Vec::new();
+    for key in keys {
+        match c.op(key, claim(LEASE_MS * 4)).await {
+            Ok(Outcome::Claimed(Claim::New(l))) => first.push(l),
+            other => panic!("claim {key}: {other:?}"),
+        }
+    }
+    h.advance(100).await;
+    let single = c.op("evt", claim(LEASE_MS)).await;
+    let batch = c
+        .store
+        .apply_batch(vec![
+            (c.id("b1"), claim(LEASE_MS)),
+            (c.id("b2"), claim(LEASE_MS)),
+        ])
+        .await;
+    for ((key, lease), again) in keys
+        .iter()
+        .zip(&first)
+        .zip([single].into_iter().chain(batch))
+    {
+        let Ok(Outcome::Claimed(Claim::New(again))) = again else {
+            panic!("re-claim {key}: {again:?}")
+        };
+        assert_eq!(
+            (&again.token, again.fence),
+            (&lease.token, lease.fence),
+            "{key}"
+        );
+        assert_eq!(
+            again.lease_expires_at_ms, lease.lease_expires_at_ms,
+            "{key}: a re-claim with a shorter lease keeps the longer one"
+        );
+        assert!(again.expires_at_ms >= again.lease_expires_at_ms, "{key}");
+    }
+    h.advance(LEASE_MS + 300).await; // past the shorter lease, inside the first one
+    for key in keys {
+        let rec = c.claim_dup(key).await;
+        assert_eq!(rec.state, State::InProgress, "{key}");
+        assert_eq!(rec.owner.as_deref(), Some("worker-7"), "{key}");
+    }
 }
 
 async fn get_and_forget(h: &dyn Harness) {

@@ -80,7 +80,9 @@ BEGIN
                            r.completed_at_ms, r.result)::{s}.dedupgate_answer;
             END IF;
             IF v_locked AND coalesce(r.owner = p_owner, false) THEN
-                -- Renew: the same worker again keeps token and fence, with a new lease.
+                -- Renew: the same worker again keeps token and fence, with a lease that
+                -- never ends before the one it renews.
+                v_lease := greatest(r.lease_expires_at_ms, v_lease);
                 UPDATE {s}.dedupgate_records SET
                     lease_expires_at_ms = v_lease,
                     expires_at_ms = greatest(r.expires_at_ms, v_lease)
@@ -530,7 +532,10 @@ BEGIN
                                      THEN greatest(e.expires_at_ms, v_now + u.lease_ms)
                                      ELSE greatest(v_now + u.ttl_ms, v_now + u.lease_ms) END,
                         state = 0,
-                        lease_expires_at_ms = v_now + u.lease_ms,
+                        lease_expires_at_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0
+                                                        AND e.owner = u.owner
+                                     THEN greatest(e.lease_expires_at_ms, v_now + u.lease_ms)
+                                     ELSE v_now + u.lease_ms END,
                         completed_at_ms = NULL,
                         result = NULL
                     FROM u

@@ -130,11 +130,12 @@ local function claim(r, cur, exp, lease_exp, fp, owner, token)
   elseif live.s == 'i' and (live.t == token or (owner and live.o == owner)) then
     -- The same owner claiming again, or this very call run a second time (its token is fresh
     -- per call, so only a resend of the call can find it): the claim is the caller's own.
+    -- The renewal never shortens the lease it renews.
     local renewed = copy(live)
-    renewed.l = lease_exp
-    renewed.e = math.max(live.e, lease_exp)
+    renewed.l = math.max(live.l or lease_exp, lease_exp)
+    renewed.e = math.max(live.e, renewed.l)
     put(r, renewed)
-    return {'N', live.t, live.f, lease_exp, renewed.e}
+    return {'N', live.t, live.f, renewed.l, renewed.e}
   elseif live.s == 'i' and lease_passed(live) then
     return take()
   else
