@@ -285,7 +285,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
     });
     match answer {
         Ok(value) => {
-            println!("{value}");
+            crate::commands::print_line(&value)?;
             Ok(ExitCode::SUCCESS)
         }
         Err(Failure::Answer { code, detail }) => {

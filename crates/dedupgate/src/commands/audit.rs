@@ -20,6 +20,7 @@ use super::pipeline::input::{check_inputs, check_outputs, Format, Input, Output}
 use super::pipeline::keyspec::{KeyArgs, KeySpec, Scratch};
 use super::pipeline::records::{Keyed, Records};
 use super::pipeline::{now_ms, runtime, usage, Rejects};
+use super::{ClosedAware, OutputClosed};
 
 /// Rejected records shown as examples in the report.
 const REJECT_SAMPLES_MAX: usize = 5;
@@ -204,15 +205,19 @@ fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     drop(temps);
 
     let report = Report::new(&dest, source.as_ref(), args.top);
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    if args.json {
-        serde_json::to_writer_pretty(&mut out, &report.json(&dest, source.as_ref(), &window))?;
-        writeln!(out)?;
+    let mut out = ClosedAware(std::io::BufWriter::new(std::io::stdout().lock()));
+    let written = if args.json {
+        serde_json::to_writer_pretty(&mut out, &report.json(&dest, source.as_ref(), &window))
+            .map_err(std::io::Error::from)
+            .and_then(|()| writeln!(out))
     } else {
-        report.table(&mut out, &dest, source.as_ref(), &window)?;
+        report.table(&mut out, &dest, source.as_ref(), &window)
+    };
+    match written.and_then(|()| out.flush()) {
+        // A reader that closed stdout (`| head`) does not change the verdict.
+        Err(e) if e.get_ref().is_some_and(|i| i.is::<OutputClosed>()) => {}
+        other => other.context("writing the report")?,
     }
-    out.flush()?;
     Ok(if report.found_problem() {
         ExitCode::from(1)
     } else {

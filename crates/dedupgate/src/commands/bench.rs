@@ -52,12 +52,10 @@ pub struct BenchArgs {
     json: bool,
 }
 
-fn print(mode: &str, connections: usize, report: &LoadReport, as_json: bool) {
+fn print(mode: &str, connections: usize, report: &LoadReport, as_json: bool) -> anyhow::Result<()> {
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     if as_json {
-        println!(
-            "{}",
-            serde_json::json!({
+        crate::commands::print_line(serde_json::json!({
                 "mode": mode,
                 "connections": connections,
                 "ops_per_s": report.ops_per_s().round(),
@@ -67,10 +65,9 @@ fn print(mode: &str, connections: usize, report: &LoadReport, as_json: bool) {
                 "max_ms": ms(report.max),
                 "requests_ok": report.requests_ok,
                 "requests_failed": report.requests_failed,
-            })
-        );
+        }))
     } else {
-        println!(
+        crate::commands::print_line(format_args!(
             "{mode:<14} {connections:>5} conns  {:>10.0} claims/s  {:>9.0} req/s  p50 {:>7.3} ms  p99 {:>7.3} ms  max {:>8.3} ms  failed {}",
             report.ops_per_s(),
             report.requests_per_s(),
@@ -78,7 +75,7 @@ fn print(mode: &str, connections: usize, report: &LoadReport, as_json: bool) {
             ms(report.p99),
             ms(report.max),
             report.requests_failed
-        );
+        ))
     }
 }
 
@@ -127,7 +124,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             .block_on(load::run(config))
             .with_context(|| format!("bench {name}"))?;
         failed |= report.requests_failed > 0;
-        print(&name, args.connections, &report, args.json);
+        print(&name, args.connections, &report, args.json)?;
     }
     Ok(if failed {
         ExitCode::FAILURE

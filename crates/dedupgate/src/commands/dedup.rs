@@ -27,6 +27,7 @@ use anyhow::Context;
 use dedupgate_core::keys::RawObject;
 use dedupgate_core::Namespace;
 
+use super::is_output_closed;
 use super::pipeline::backend::Backend;
 use super::pipeline::input::{self, check_inputs, check_outputs, Format, Input, Output};
 use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
@@ -240,7 +241,9 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
         (Ok(()), Some(book)) => book.finish(&mut job.counts, &mut *out),
         (Err(e), Some(book)) => {
             if let Err(e2) = book.abandon(&mut job.counts, &mut *out) {
-                tracing::warn!("while stopping: {e2:#}");
+                if !is_output_closed(&e2) {
+                    tracing::warn!("while stopping: {e2:#}");
+                }
             }
             Err(e)
         }
@@ -261,6 +264,10 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
         }
     };
     if let Err(e) = result {
+        // A reader that closed the output (`| head`) ends the run quietly, as jq and ripgrep do.
+        if is_output_closed(&e) {
+            return Err(e);
+        }
         // What was emitted before the stop is written out and counted, then the reason.
         if let Err(flush) = out.flush() {
             tracing::warn!("while stopping: writing the output: {flush}");

@@ -10,6 +10,69 @@ pub mod proxy;
 pub mod run;
 pub mod serve;
 
+use std::io::{self, Write};
+
+/// The reader of the output went away (`dedupgate dedup … | head -1`). Not a failure: the
+/// command stops writing and exits quietly, as jq and ripgrep do (docs/cli.md).
+#[derive(Debug)]
+pub struct OutputClosed;
+
+impl std::fmt::Display for OutputClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the output was closed by its reader")
+    }
+}
+
+impl std::error::Error for OutputClosed {}
+
+/// An output whose broken pipe (EPIPE) comes out as an [`OutputClosed`] error, so it is told
+/// apart from a broken pipe to a store or server, which is a failure.
+pub struct ClosedAware<W>(pub W);
+
+impl<W: Write> Write for ClosedAware<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf).map_err(mark_closed)
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        self.0.write_all(buf).map_err(mark_closed)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush().map_err(mark_closed)
+    }
+}
+
+fn mark_closed(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::BrokenPipe {
+        io::Error::new(io::ErrorKind::BrokenPipe, OutputClosed)
+    } else {
+        e
+    }
+}
+
+/// True when `e`, or an error it wraps, is an [`OutputClosed`].
+pub fn is_output_closed(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause.is::<OutputClosed>()
+            || cause
+                .downcast_ref::<io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.is::<OutputClosed>())
+    })
+}
+
+/// Prints `text` and a newline on stdout; a closed stdout is not an error (see
+/// [`OutputClosed`]), any other failure is.
+pub fn print_line(text: impl std::fmt::Display) -> anyhow::Result<()> {
+    let mut out = ClosedAware(io::stdout().lock());
+    let written = writeln!(out, "{text}").and_then(|()| out.flush());
+    match written {
+        Err(e) if e.get_ref().is_some_and(|i| i.is::<OutputClosed>()) => Ok(()),
+        other => Ok(other?),
+    }
+}
+
 /// Logs go to stderr, filtered by `RUST_LOG` (default: info for dedupgate, warn for the rest).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 
 use super::usage;
+use crate::commands::ClosedAware;
 
 /// Read buffer per input: large enough that a read is a few hundred lines.
 pub const READ_BUFFER_BYTES: usize = 1 << 20;
@@ -304,16 +305,19 @@ pub fn check_outputs_outside(store_dir: &Path, outputs: &[Output<'_>]) -> anyhow
     Ok(())
 }
 
-/// Opens the output: a file (created or truncated) or stdout, buffered.
+/// Opens the output: a file (created or truncated) or stdout, buffered; a reader that closes
+/// it makes writes fail with [`crate::commands::OutputClosed`].
 pub fn open_output(path: Option<&Path>) -> anyhow::Result<Box<dyn Write>> {
     Ok(match path {
         Some(p) if p.as_os_str() != "-" => Box::new(io::BufWriter::with_capacity(
             WRITE_BUFFER_BYTES,
-            File::create(p).with_context(|| format!("cannot create output {}", p.display()))?,
+            ClosedAware(
+                File::create(p).with_context(|| format!("cannot create output {}", p.display()))?,
+            ),
         )),
         _ => Box::new(io::BufWriter::with_capacity(
             WRITE_BUFFER_BYTES,
-            io::stdout(),
+            ClosedAware(io::stdout()),
         )),
     })
 }

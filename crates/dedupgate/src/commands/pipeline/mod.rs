@@ -44,8 +44,12 @@ pub fn is_usage(e: &anyhow::Error) -> bool {
 }
 
 /// Prints `e` as `dedupgate COMMAND: message: cause: …` and gives the exit code of a pipeline
-/// command that failed: 2 for a usage error, else 1.
+/// command that failed: 2 for a usage error, else 1; an output closed by its reader is no
+/// failure (nothing printed, 0).
 pub fn report_failure(command: &str, e: &anyhow::Error) -> std::process::ExitCode {
+    if crate::commands::is_output_closed(e) {
+        return std::process::ExitCode::SUCCESS;
+    }
     // Errors that write their cause into their message do not also return it as their source,
     // so the chain says each cause once.
     eprintln!("dedupgate {command}: {e:#}");
