@@ -10,7 +10,9 @@
 # skips the fuzz step.
 # Needs the local Redis (127.0.0.1:6379) and PostgreSQL (127.0.0.1:5432, user postgres, db test)
 # the tests use (DEDUPGATE_TEST_REDIS_URL / DEDUPGATE_TEST_POSTGRES_URL override them), and
-# fiu-utils, faketime and cc for the storage-fault and clock-jump runs. The fuzz
+# fiu-utils, faketime and cc for the storage-fault and clock-jump runs: before any run it installs
+# whatever of these is missing, as scripts/test.sh does (Debian/Ubuntu apt, as root or through
+# sudo), and stops at once if it cannot. The fuzz
 # step needs a nightly toolchain and cargo-fuzz; it is skipped, and says so, without them.
 # Every run prints its seed; a failing run keeps its directory under OUT and exits non-zero.
 set -euo pipefail
@@ -37,6 +39,12 @@ pg="${DEDUPGATE_TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}"
 mkdir -p "$out"
 report="$out/reports.jsonl"
 
+# Once, before any run: without fiu-utils and faketime every storage-fault and clock-jump run
+# would fail on its own, each saying a library is missing.
+if ! scripts/test.sh --install-only; then
+  echo "scripts/torture.sh: cannot install what the soak needs (redis-server, PostgreSQL, fiu-utils, faketime, a C compiler); install them and run again" >&2
+  exit 2
+fi
 cargo build -q -p dedupgate-torture -p dedupgate
 bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/dedupgate-torture"
 # The storage-fault and clock-jump runs put the shipped `dedupgate serve` under their injectors.
