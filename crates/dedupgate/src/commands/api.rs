@@ -1,7 +1,9 @@
 //! `dedupgate claim|complete|release|extend|mark|get|forget`: the API from the shell, against a
 //! server (`--server URL`, through dedupgate-client with its safe retries) or a store directly
 //! (`--store STORE`, through `dedupgate_core::Gate`). Both print the same JSON as the HTTP API's
-//! success body on stdout and exit 0 (a duplicate is an answer, not an error). The gate's
+//! success body on stdout and exit 0 (a duplicate is an answer, not an error; `claim -e` and
+//! `mark -e` exit [`EXIT_DUPLICATE`] for one, opt-in so scripts that read the JSON under
+//! `set -e` keep working). The gate's
 //! refusal (`lease_lost`, `fingerprint_mismatch`, …, and `get` of an absent key) prints its code
 //! and detail on stderr and exits 1; when the gate could not be asked or gave no answer
 //! (`unavailable`, a server or store that cannot be reached or opened) the exit is
@@ -24,6 +26,8 @@ use crate::commands::pipeline::backend::open_waiting;
 pub const EXIT_NOT_DECIDED: u8 = 3;
 /// Exit code of a usage error (clap's own).
 const EXIT_USAGE: u8 = 2;
+/// Exit code of `claim -e` and `mark -e` when the key is a duplicate (docs/cli.md).
+pub const EXIT_DUPLICATE: u8 = 4;
 use crate::commands::pipeline::keyspec::key_set_members;
 
 /// Where the operation goes.
@@ -68,6 +72,10 @@ pub enum ApiCommand {
         /// Claimer id; the same owner claiming again gets its claim back.
         #[arg(long)]
         owner: Option<String>,
+        /// Exit 4 when the key is a duplicate (0 stays "new"), so a script can branch
+        /// without reading the JSON.
+        #[arg(short = 'e', long)]
+        exit_status: bool,
     },
     /// Complete a claim, storing an optional JSON result.
     Complete {
@@ -115,6 +123,10 @@ pub enum ApiCommand {
         /// JSON result replayed to duplicates.
         #[arg(long)]
         result: Option<String>,
+        /// Exit 4 when the key is a duplicate (0 stays "new"), so a script can branch
+        /// without reading the JSON.
+        #[arg(short = 'e', long)]
+        exit_status: bool,
     },
     /// Print a key's record (exit 1 when there is none, 3 when the gate could not be asked).
     Get {
@@ -144,6 +156,8 @@ fn json_arg(v: &Option<String>) -> anyhow::Result<Option<Value>> {
 struct Call {
     target: Target,
     op: ApiOp,
+    /// `-e`: a duplicate exits [`EXIT_DUPLICATE`].
+    exit_status: bool,
 }
 
 enum ApiOp {
@@ -171,8 +185,10 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
             lease,
             fingerprint,
             owner,
+            exit_status,
         } => Call {
             target,
+            exit_status,
             op: ApiOp::Claim(ClaimOptions {
                 ttl_ms: duration("ttl", &ttl)?,
                 lease_ms: duration("lease", &lease)?,
@@ -187,6 +203,7 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
             ttl,
         } => Call {
             target,
+            exit_status: false,
             op: ApiOp::Complete {
                 token: Token::new(token),
                 result: json_arg(&result)?,
@@ -195,6 +212,7 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         },
         ApiCommand::Release { target, token } => Call {
             target,
+            exit_status: false,
             op: ApiOp::Release(Token::new(token)),
         },
         ApiCommand::Extend {
@@ -203,6 +221,7 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
             lease,
         } => Call {
             target,
+            exit_status: false,
             op: ApiOp::Extend {
                 token: Token::new(token),
                 lease_ms: parse_duration_ms(&lease).map_err(|e| anyhow::anyhow!("--lease: {e}"))?,
@@ -213,8 +232,10 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
             ttl,
             fingerprint,
             result,
+            exit_status,
         } => Call {
             target,
+            exit_status,
             op: ApiOp::Mark(MarkOptions {
                 ttl_ms: duration("ttl", &ttl)?,
                 fingerprint,
@@ -223,10 +244,12 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         },
         ApiCommand::Get { target } => Call {
             target,
+            exit_status: false,
             op: ApiOp::Get,
         },
         ApiCommand::Forget { target } => Call {
             target,
+            exit_status: false,
             op: ApiOp::Forget,
         },
     })
@@ -286,7 +309,11 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
     match answer {
         Ok(value) => {
             crate::commands::print_line(&value)?;
-            Ok(ExitCode::SUCCESS)
+            Ok(if call.exit_status && value["outcome"] == "duplicate" {
+                ExitCode::from(EXIT_DUPLICATE)
+            } else {
+                ExitCode::SUCCESS
+            })
         }
         Err(Failure::Answer { code, detail }) => {
             eprintln!("dedupgate: {code}: {detail}");
