@@ -20,7 +20,7 @@ use tokio::sync::Semaphore;
 
 use crate::auth::{Auth, Principal};
 use crate::config::ServerConfig;
-use crate::metrics::Metrics;
+use crate::metrics::{Exposition, Metrics};
 use crate::problem::{Problem, ProblemCode};
 use crate::wire::{self, OpKind, Parsed};
 
@@ -511,13 +511,13 @@ impl AppState {
         }
     }
 
-    async fn metrics_text(&self) -> Response {
+    async fn metrics_text(&self, format: Exposition) -> Response {
         let stats = self.store.stats().await.ok();
-        let text = self.metrics.render(stats.as_ref());
+        let text = self.metrics.render(stats.as_ref(), format);
         let mut response = (StatusCode::OK, text).into_response();
         response.headers_mut().insert(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+            HeaderValue::from_static(format.content_type()),
         );
         response
     }
@@ -646,7 +646,13 @@ impl AppState {
                     }
                     Endpoint::Health => self.guarded(path, started, Box::pin(self.health())).await,
                     Endpoint::Metrics => {
-                        self.guarded(path, started, Box::pin(self.metrics_text()))
+                        let format = Exposition::negotiate(
+                            request
+                                .headers()
+                                .get(header::ACCEPT)
+                                .map(HeaderValue::as_bytes),
+                        );
+                        self.guarded(path, started, Box::pin(self.metrics_text(format)))
                             .await
                     }
                 }

@@ -36,6 +36,6 @@ pub use auth::{Auth, Principal};
 pub use config::{
     check_tokens, parse_duration_ms, ConfigError, FileConfig, Limits, Role, ServerConfig, TokenRule,
 };
-pub use metrics::Metrics;
+pub use metrics::{Exposition, Metrics};
 pub use problem::Problem;
 pub use server::serve;

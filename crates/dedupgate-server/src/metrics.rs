@@ -279,8 +279,8 @@ impl Metrics {
         self.swept.inc_by(n);
     }
 
-    /// Renders the text exposition, taking the store's figures first.
-    pub fn render(&self, stats: Option<&StoreStats>) -> String {
+    /// Renders the exposition in `format`, taking the store's figures first.
+    pub fn render(&self, stats: Option<&StoreStats>, format: Exposition) -> String {
         if let Some(held) = stats.and_then(|s| s.records_held) {
             self.records_held
                 .set(i64::try_from(held).unwrap_or(i64::MAX));
@@ -296,8 +296,97 @@ impl Metrics {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String never fails");
-        out
+        match format {
+            Exposition::OpenMetrics => out,
+            Exposition::Prometheus => openmetrics_to_prometheus(&out),
+        }
     }
+}
+
+/// The two text formats of `/metrics`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exposition {
+    /// Prometheus text format 0.0.4: what a scraper gets unless it asks for OpenMetrics.
+    Prometheus,
+    /// OpenMetrics 1.0 text, ending in `# EOF`.
+    OpenMetrics,
+}
+
+impl Exposition {
+    /// Chooses by the scraper's `Accept` header, as the official client libraries do:
+    /// OpenMetrics when `application/openmetrics-text` is acceptable and no text/plain (or
+    /// wildcard) entry is preferred to it (a higher `q`, or the same `q` listed first); the
+    /// Prometheus format otherwise, and without the header.
+    pub fn negotiate(accept: Option<&[u8]>) -> Self {
+        let Some(accept) = accept.and_then(|a| std::str::from_utf8(a).ok()) else {
+            return Exposition::Prometheus;
+        };
+        // (q, is OpenMetrics) of the best entry so far; the first of equal q wins.
+        let mut best: Option<(f32, bool)> = None;
+        for entry in accept.split(',') {
+            let mut parts = entry.split(';');
+            let media = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+            let openmetrics = match media.as_str() {
+                "application/openmetrics-text" => true,
+                "text/plain" | "text/*" | "*/*" => false,
+                _ => continue,
+            };
+            let q = parts
+                .filter_map(|p| p.split_once('='))
+                .find(|(name, _)| name.trim().eq_ignore_ascii_case("q"))
+                .map_or(1.0, |(_, v)| v.trim().parse::<f32>().unwrap_or(0.0));
+            if q > 0.0 && best.is_none_or(|(best_q, _)| q > best_q) {
+                best = Some((q, openmetrics));
+            }
+        }
+        match best {
+            Some((_, true)) => Exposition::OpenMetrics,
+            _ => Exposition::Prometheus,
+        }
+    }
+
+    /// The `Content-Type` of an answer in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Exposition::Prometheus => "text/plain; version=0.0.4; charset=utf-8",
+            Exposition::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+}
+
+/// Prometheus text format 0.0.4 from prometheus-client's OpenMetrics text (the crate writes no
+/// other format). The two differ, for what this registry holds, only in that a counter's HELP
+/// and TYPE lines name its samples (`_total`) rather than the family, and in OpenMetrics' own
+/// `# UNIT` and `# EOF` lines, which are dropped. Sample lines are the same in both.
+fn openmetrics_to_prometheus(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 256);
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split(' ').next().unwrap_or("");
+            let counter = lines
+                .peek()
+                .is_some_and(|next| *next == format!("# TYPE {name} counter"));
+            if counter {
+                out.push_str("# HELP ");
+                out.push_str(name);
+                out.push_str("_total");
+                out.push_str(&rest[name.len()..]);
+                out.push('\n');
+                lines.next();
+                out.push_str("# TYPE ");
+                out.push_str(name);
+                out.push_str("_total counter\n");
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 #[cfg(test)]
@@ -316,7 +405,7 @@ mod tests {
         m.decision(&m.namespace_label("a"), &Ok(Outcome::Released));
         m.request("/v1/claim", Duration::from_millis(1));
         m.request("/v1/claim", Duration::from_millis(1));
-        let text = m.render(None);
+        let text = m.render(None, Exposition::OpenMetrics);
         assert!(
             text.contains(r#"dedupgate_decisions_total{namespace="a",outcome="released"} 2"#),
             "{text}"
@@ -329,5 +418,75 @@ mod tests {
             text.contains(r#"dedupgate_decisions_total{namespace="other",outcome="lease_lost"} 1"#),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_format_follows_the_accept_header() {
+        use Exposition::*;
+        for (accept, want) in [
+            (None, Prometheus),
+            (Some("*/*"), Prometheus),
+            (Some("text/plain"), Prometheus),
+            (Some("text/plain;version=0.0.4;q=1,*/*;q=0.1"), Prometheus),
+            (Some("application/json"), Prometheus),
+            (Some("application/openmetrics-text; q=0"), Prometheus),
+            (Some("text/plain, application/openmetrics-text"), Prometheus),
+            (
+                Some("text/plain;q=0.5, application/openmetrics-text;q=0.9"),
+                OpenMetrics,
+            ),
+            (Some("application/openmetrics-text"), OpenMetrics),
+            (
+                Some("Application/OpenMetrics-Text; version=1.0.0"),
+                OpenMetrics,
+            ),
+            // What Prometheus 2.x and 3.x send.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                     version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                ),
+                OpenMetrics,
+            ),
+        ] {
+            assert_eq!(
+                Exposition::negotiate(accept.map(str::as_bytes)),
+                want,
+                "{accept:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_prometheus_format_names_counters_by_their_samples() {
+        let m = Metrics::new(10);
+        m.decision(&m.namespace_label("a"), &Ok(Outcome::Released));
+        m.error("invalid_request");
+        m.request("/v1/claim", Duration::from_millis(1));
+        let om = m.render(None, Exposition::OpenMetrics);
+        assert!(om.ends_with("# EOF\n"), "{om}");
+        assert!(om.contains("# TYPE dedupgate_decisions counter\n"), "{om}");
+        let text = m.render(None, Exposition::Prometheus);
+        assert!(!text.contains("# EOF"), "{text}");
+        for counter in ["decisions", "errors", "records_swept"] {
+            assert!(
+                text.contains(&format!("# TYPE dedupgate_{counter}_total counter\n")),
+                "{text}"
+            );
+            assert!(
+                text.contains(&format!("# HELP dedupgate_{counter}_total ")),
+                "{text}"
+            );
+        }
+        assert!(text.contains("# TYPE dedupgate_request_duration_seconds histogram\n"));
+        assert!(text.contains(r#"dedupgate_decisions_total{namespace="a",outcome="released"} 1"#));
+        // The samples are the same lines in both.
+        let samples = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(String::from)
+                .collect()
+        };
+        assert_eq!(samples(&om), samples(&text));
     }
 }
