@@ -18,21 +18,28 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// The gate as an HTTP service (API.md).
+    #[command(after_help = commands::help::SERVE)]
     Serve(commands::serve::ServeArgs),
     /// claim|complete|release|extend|mark|get|forget: the API from the shell.
     #[command(flatten)]
     Api(commands::api::ApiCommand),
     /// HTTP load against a running gate: claims/s and p50/p99.
+    #[command(after_help = commands::help::BENCH)]
     Bench(commands::bench::BenchArgs),
     /// The Idempotency-Key reverse proxy in front of an HTTP API (API.md).
+    #[command(after_help = commands::help::SERVE)]
     Proxy(commands::proxy::ProxyArgs),
     /// Run CMD at most once per key within the ttl (the cron gate).
+    #[command(after_help = commands::help::RUN)]
     Run(commands::run::RunArgs),
     /// Drop duplicate records of JSON Lines or CSV, optionally across runs (--ledger).
+    #[command(after_help = commands::help::DEDUP)]
     Dedup(commands::dedup::DedupArgs),
     /// Add deterministic ids (API.md) to JSON Lines or CSV records.
+    #[command(after_help = commands::help::ID)]
     Id(commands::id::IdArgs),
     /// Report duplicates in files or a PostgreSQL table; exit 1 when there are any.
+    #[command(after_help = commands::help::AUDIT)]
     Audit(commands::audit::AuditArgs),
 }
 

@@ -57,6 +57,7 @@ pub struct Target {
 #[derive(clap::Subcommand, Debug)]
 pub enum ApiCommand {
     /// Claim a key under a lease (prints new with a token, or duplicate with the record).
+    #[command(after_help = super::help::CLAIM)]
     Claim {
         #[command(flatten)]
         target: Target,
@@ -78,6 +79,7 @@ pub enum ApiCommand {
         exit_status: bool,
     },
     /// Complete a claim, storing an optional JSON result.
+    #[command(after_help = super::help::API)]
     Complete {
         #[command(flatten)]
         target: Target,
@@ -92,6 +94,7 @@ pub enum ApiCommand {
         ttl: Option<String>,
     },
     /// Release a claim so the next claim runs again.
+    #[command(after_help = super::help::API)]
     Release {
         #[command(flatten)]
         target: Target,
@@ -100,6 +103,7 @@ pub enum ApiCommand {
         token: String,
     },
     /// Renew a claim's lease.
+    #[command(after_help = super::help::API)]
     Extend {
         #[command(flatten)]
         target: Target,
@@ -111,6 +115,7 @@ pub enum ApiCommand {
         lease: String,
     },
     /// Mark a key completed before processing (idempotent ordering).
+    #[command(after_help = super::help::CLAIM)]
     Mark {
         #[command(flatten)]
         target: Target,
@@ -129,11 +134,13 @@ pub enum ApiCommand {
         exit_status: bool,
     },
     /// Print a key's record (exit 1 when there is none, 3 when the gate could not be asked).
+    #[command(after_help = super::help::GET)]
     Get {
         #[command(flatten)]
         target: Target,
     },
     /// Delete a key's record (admin).
+    #[command(after_help = super::help::API)]
     Forget {
         #[command(flatten)]
         target: Target,

@@ -4,6 +4,7 @@ pub mod api;
 pub mod audit;
 pub mod bench;
 pub mod dedup;
+pub mod help;
 pub mod id;
 pub mod pipeline;
 pub mod proxy;
