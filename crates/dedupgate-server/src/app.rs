@@ -188,7 +188,7 @@ impl AppState {
     pub fn new(store: Arc<dyn Store>, config: ServerConfig) -> Arc<Self> {
         Arc::new(Self {
             auth: Auth::new(&config.tokens),
-            metrics: Metrics::new(config.namespace_labels_max),
+            metrics: Metrics::new(config.namespace_labels_max, &config.metrics_namespaces),
             in_flight: Arc::new(Semaphore::new(config.limits.in_flight_max)),
             receiving: AtomicUsize::new(0),
             store,

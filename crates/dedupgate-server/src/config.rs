@@ -137,8 +137,12 @@ pub struct ServerConfig {
     pub sweep_interval_ms: u64,
     /// Most records one sweep call removes, so a sweep never holds the store for long.
     pub sweep_batch_max: usize,
-    /// Distinct namespace label values in metrics; later namespaces are counted as `other`.
+    /// Most namespaces given a metrics label at run time: the first seen when
+    /// `metrics_namespaces` is empty, else those its globs match. The rest count as `other`.
     pub namespace_labels_max: usize,
+    /// Namespaces (names, or globs with `*` and `?`) labelled by name in metrics; a listed
+    /// name always is, so junk namespaces cannot push it into `other`. Empty: first come.
+    pub metrics_namespaces: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -150,6 +154,7 @@ impl Default for ServerConfig {
             sweep_interval_ms: 1_000,
             sweep_batch_max: 10_000,
             namespace_labels_max: 1_000,
+            metrics_namespaces: Vec::new(),
         }
     }
 }
@@ -216,6 +221,9 @@ pub struct FileConfig {
     pub sweep_batch_max: Option<usize>,
     /// See [`ServerConfig::namespace_labels_max`].
     pub namespace_labels_max: Option<usize>,
+    /// See [`ServerConfig::metrics_namespaces`].
+    #[serde(default)]
+    pub metrics_namespaces: Vec<String>,
     /// Bearer tokens (`[[tokens]]` tables).
     #[serde(default)]
     pub tokens: Vec<TokenRule>,
@@ -239,6 +247,7 @@ impl FileConfig {
     pub fn parse(text: &str) -> Result<Self, String> {
         let file: Self = toml::from_str(text).map_err(|e| e.to_string())?;
         check_tokens(&file.tokens)?;
+        check_metrics_namespaces(&file.metrics_namespaces)?;
         Ok(file)
     }
 }
@@ -268,6 +277,21 @@ pub fn check_tokens(tokens: &[TokenRule]) -> Result<(), String> {
                  and one set of namespaces",
                 token_label(i, rule),
                 token_label(j, &tokens[j])
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a `metrics_namespaces` entry that could match no namespace (a typo such as
+/// `"payments, orders"` would otherwise label nothing, silently).
+pub fn check_metrics_namespaces(patterns: &[String]) -> Result<(), String> {
+    for pattern in patterns {
+        let allowed = |c: char| c.is_ascii_alphanumeric() || ".-_:*?".contains(c);
+        if pattern.is_empty() || !pattern.chars().all(allowed) {
+            return Err(format!(
+                "metrics_namespaces: {pattern:?} is not a namespace or a glob of one \
+                 ([A-Za-z0-9._:-], with * for any run of characters and ? for one)"
             ));
         }
     }
@@ -326,6 +350,11 @@ mod tests {
         assert_eq!(file.tokens[0].role, Role::Client);
         assert!(!format!("{file:?}").contains("s3cret"));
         assert!(FileConfig::parse("lisen = \"x\"").is_err());
+        let file = FileConfig::parse(r#"metrics_namespaces = ["payments", "orders-*"]"#).unwrap();
+        assert_eq!(file.metrics_namespaces, ["payments", "orders-*"]);
+        for bad in [r#"[""]"#, r#"["payments, orders"]"#, r#"["pay/ments"]"#] {
+            assert!(FileConfig::parse(&format!("metrics_namespaces = {bad}")).is_err());
+        }
         assert!(
             FileConfig::parse("[[tokens]]\ntoken=\"a\"\nnamespaces=[]\nrole=\"root\"").is_err()
         );

@@ -34,7 +34,8 @@ pub mod wire;
 pub use app::{router, AppState, Route, BODIES_RECEIVED_AT_ONCE, ROUTES};
 pub use auth::{Auth, Principal};
 pub use config::{
-    check_tokens, parse_duration_ms, ConfigError, FileConfig, Limits, Role, ServerConfig, TokenRule,
+    check_metrics_namespaces, check_tokens, parse_duration_ms, ConfigError, FileConfig, Limits,
+    Role, ServerConfig, TokenRule,
 };
 pub use metrics::{Exposition, Metrics};
 pub use problem::Problem;

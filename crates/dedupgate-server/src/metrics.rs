@@ -1,6 +1,8 @@
 //! Prometheus metrics ([`Metrics`]), one registry per server (no global state, so several servers
-//! in one process, as in tests, never mix their figures). Labels are bounded: namespaces beyond
-//! [`crate::ServerConfig::namespace_labels_max`] are counted as `other`; keys are never labels.
+//! in one process, as in tests, never mix their figures). Labels are bounded: a namespace gets a
+//! label of its own only as [`crate::ServerConfig::metrics_namespaces`] and
+//! [`crate::ServerConfig::namespace_labels_max`] allow, the rest are counted as `other`; keys
+//! are never labels.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -14,7 +16,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-/// The namespace label of namespaces that arrived after the label cap was reached.
+use crate::auth::glob_match;
+
+/// The namespace label of every namespace without a label of its own.
 pub const OTHER_NAMESPACE: &str = "other";
 
 /// Every `outcome` label of the decisions counter.
@@ -128,7 +132,13 @@ pub struct Metrics {
     swept: Counter,
     route_handles: Handles<Histogram, { ROUTE_LABELS.len() }>,
     op_handles: Handles<Histogram, { OP_LABELS.len() }>,
+    /// Namespaces with a label of their own: the configured names from the start, then those
+    /// let in at run time (by a configured glob, or first come when none is configured).
     namespaces: RwLock<HashMap<String, Arc<NamespaceLabel>>>,
+    /// How many of `namespaces` are configured names (the cap bounds the others).
+    named: usize,
+    /// Configured globs (`*`, `?`); `None` when nothing is configured (first come, first served).
+    globs: Option<Vec<String>>,
     namespace_labels_max: usize,
     other: Arc<NamespaceLabel>,
 }
@@ -140,8 +150,11 @@ impl std::fmt::Debug for Metrics {
 }
 
 impl Metrics {
-    /// A fresh registry with every metric of the service.
-    pub fn new(namespace_labels_max: usize) -> Self {
+    /// A fresh registry with every metric of the service. `labelled` lists the namespaces
+    /// (names, or globs with `*` and `?`) that get a label of their own: names always, names a
+    /// glob matches while fewer than `namespace_labels_max` have been let in. Empty, the first
+    /// `namespace_labels_max` namespaces seen get one. All others count as `other`.
+    pub fn new(namespace_labels_max: usize, labelled: &[String]) -> Self {
         let mut registry = Registry::with_prefix("dedupgate");
         let decisions = Family::<DecisionLabels, Counter>::default();
         registry.register(
@@ -187,6 +200,14 @@ impl Metrics {
             "Expired records removed: the store's own count where it keeps one, else this server's sweeper's",
             swept.clone(),
         );
+        let (globs, names): (Vec<&String>, Vec<&String>) =
+            labelled.iter().partition(|p| p.contains(['*', '?']));
+        let named: HashMap<String, Arc<NamespaceLabel>> = names
+            .into_iter()
+            .map(|n| (n.clone(), NamespaceLabel::new(Arc::new(n.clone()))))
+            .collect();
+        let named_count = named.len();
+        let globs = (!labelled.is_empty()).then(|| globs.into_iter().cloned().collect());
         Self {
             registry,
             decisions,
@@ -198,21 +219,30 @@ impl Metrics {
             swept,
             route_handles: Handles::new(),
             op_handles: Handles::new(),
-            namespaces: RwLock::new(HashMap::new()),
+            namespaces: RwLock::new(named),
+            named: named_count,
+            globs,
             namespace_labels_max,
             other: NamespaceLabel::new(Arc::new(OTHER_NAMESPACE.to_owned())),
         }
     }
 
-    /// The label for `namespace`: itself while fewer than the cap have been seen, else `other`.
+    /// The label for `namespace`: itself when it is a configured name, or when a configured
+    /// glob matches it (with no configuration: any namespace) and fewer than the cap have been
+    /// let in that way; else `other`. A namespace let in keeps its label until a restart.
     pub fn namespace_label(&self, namespace: &str) -> Arc<NamespaceLabel> {
         let known = |set: &HashMap<String, Arc<NamespaceLabel>>| {
-            set.get(namespace)
-                .cloned()
-                .or_else(|| (set.len() >= self.namespace_labels_max).then(|| self.other.clone()))
+            set.get(namespace).cloned().or_else(|| {
+                (set.len() - self.named >= self.namespace_labels_max).then(|| self.other.clone())
+            })
         };
         if let Some(label) = known(&self.namespaces.read().unwrap_or_else(|p| p.into_inner())) {
             return label;
+        }
+        if let Some(globs) = &self.globs {
+            if !globs.iter().any(|g| glob_match(g, namespace)) {
+                return self.other.clone();
+            }
         }
         let mut set = self.namespaces.write().unwrap_or_else(|p| p.into_inner());
         if let Some(label) = known(&set) {
@@ -395,7 +425,7 @@ mod tests {
 
     #[test]
     fn namespace_labels_are_capped() {
-        let m = Metrics::new(2);
+        let m = Metrics::new(2, &[]);
         assert_eq!(m.namespace_label("a").as_str(), "a");
         assert_eq!(m.namespace_label("b").as_str(), "b");
         assert_eq!(m.namespace_label("c").as_str(), OTHER_NAMESPACE);
@@ -459,7 +489,7 @@ mod tests {
 
     #[test]
     fn the_prometheus_format_names_counters_by_their_samples() {
-        let m = Metrics::new(10);
+        let m = Metrics::new(10, &[]);
         m.decision(&m.namespace_label("a"), &Ok(Outcome::Released));
         m.error("invalid_request");
         m.request("/v1/claim", Duration::from_millis(1));
@@ -488,5 +518,29 @@ mod tests {
                 .collect()
         };
         assert_eq!(samples(&om), samples(&text));
+    }
+
+    #[test]
+    fn junk_namespaces_never_push_out_configured_ones() {
+        let labelled = ["payments".to_owned(), "orders-*".to_owned()];
+        let m = Metrics::new(2, &labelled);
+        for i in 0..5_000 {
+            assert_eq!(
+                m.namespace_label(&format!("junk{i}")).as_str(),
+                OTHER_NAMESPACE
+            );
+        }
+        assert_eq!(m.namespace_label("payments").as_str(), "payments");
+        // Globs let names in up to the cap; names listed as they are never count against it.
+        assert_eq!(m.namespace_label("orders-eu").as_str(), "orders-eu");
+        assert_eq!(m.namespace_label("orders-us").as_str(), "orders-us");
+        assert_eq!(m.namespace_label("orders-junk").as_str(), OTHER_NAMESPACE);
+        assert_eq!(m.namespace_label("orders-eu").as_str(), "orders-eu");
+        assert_eq!(m.namespace_label("payments").as_str(), "payments");
+        assert_eq!(m.namespace_label("payment").as_str(), OTHER_NAMESPACE);
+        // Names alone: nothing else is ever labelled, whatever the cap.
+        let m = Metrics::new(1_000, &["payments".to_owned()]);
+        assert_eq!(m.namespace_label("junk").as_str(), OTHER_NAMESPACE);
+        assert_eq!(m.namespace_label("payments").as_str(), "payments");
     }
 }

@@ -775,3 +775,57 @@ fn a_release_whose_answer_was_lost_is_reported_done_by_the_retrying_client() {
         "{stale:?}"
     );
 }
+
+/// Found trying the gate as a new user: the namespace label was first come, first served, so
+/// junk namespaces took every label and a real one arriving later counted as `other` until a
+/// restart. Namespaces listed in `metrics_namespaces` always keep their label; globs let names
+/// in up to `namespace_labels_max`; everything else is `other`.
+#[test]
+fn junk_namespaces_cannot_push_a_configured_one_into_other() {
+    let dir = TempDir::new("metrics-namespaces");
+    let config = dir.path().join("serve.toml");
+    std::fs::write(
+        &config,
+        "store = \"memory:\"\nnamespace_labels_max = 2\n\
+         metrics_namespaces = [\"payments\", \"orders-*\"]\n",
+    )
+    .unwrap();
+    let s = serve(&["--config", config.to_str().unwrap()]);
+    let claim = |ns: &str| {
+        let r = s.post_json("/v1/claim", &json!({"namespace": ns, "key": "k"}));
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    for i in 0..50 {
+        claim(&format!("junk-{i}"));
+    }
+    for ns in ["orders-eu", "orders-us", "orders-late", "payments"] {
+        claim(ns);
+    }
+    let text = s.get("/metrics").text();
+    let new = |ns: &str| format!(r#"dedupgate_decisions_total{{namespace="{ns}",outcome="new"}} "#);
+    for (ns, count) in [
+        ("payments", 1),
+        ("orders-eu", 1),
+        ("orders-us", 1),
+        ("other", 51),
+    ] {
+        assert!(
+            text.contains(&format!("{}{count}\n", new(ns))),
+            "{ns}:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains("junk") && !text.contains("orders-late"),
+        "{text}"
+    );
+    // A pattern that can match no namespace stops the start.
+    std::fs::write(&config, "metrics_namespaces = [\"payments, orders\"]\n").unwrap();
+    let refused = try_serve(&["--config", config.to_str().unwrap()], &[]);
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|log| log.contains("metrics_namespaces")),
+        "{:?}",
+        refused.map(|s| s.addr)
+    );
+}

@@ -158,6 +158,7 @@ fn resolve(args: ServeArgs) -> anyhow::Result<Resolved> {
             .namespace_labels_max
             .or(file.namespace_labels_max)
             .unwrap_or(base.namespace_labels_max),
+        metrics_namespaces: file.metrics_namespaces,
         tokens: file.tokens,
     };
     for (i, t) in config.tokens.iter().enumerate() {
@@ -210,7 +211,7 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
     }
     let store: Arc<dyn dedupgate_core::Store> = store_spec::open(&r.store)
         .await
-        .map_err(|e| super::pipeline::backend::open_failed(&r.store, e))?;
+        .map_err(|e| super::pipeline::backend::serving_open_failed(e, "serve"))?;
     let auth = if auth_on {
         format!("on ({} tokens)", r.config.tokens.len())
     } else {
