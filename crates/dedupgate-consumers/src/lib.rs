@@ -1092,6 +1092,36 @@ mod tests {
         );
     }
 
+    /// A processed message's key blocks redeliveries for the consumer's ttl, also when the ttl
+    /// is shorter than the lease (the completed record kept the lease's expiry).
+    #[tokio::test]
+    async fn a_processed_key_is_free_once_its_ttl_ends_even_below_the_lease() {
+        let clock = dedupgate_core::ManualClock::new(1_000_000);
+        let store = MemoryStore::with_clock(std::sync::Arc::new(clock.clone()));
+        let gate = ConsumerGate::new(Gate::new(store), "orders")
+            .unwrap()
+            .ttl(Duration::from_secs(2))
+            .unwrap()
+            .lease(Duration::from_secs(30))
+            .unwrap();
+        let ran = |n: u8| move |_msg: Message| async move { Ok::<_, String>(n) };
+        let deliver = |n| gate.process(Some("m-1"), "id", b"{}", Attempt::FIRST, ran(n));
+        let a = deliver(1).await;
+        assert!(matches!(a, Handled::Ran { value: 1, .. }), "{a}");
+        clock.advance(1_000);
+        let b = deliver(2).await;
+        assert!(
+            matches!(b, Handled::Duplicate { .. }),
+            "within the ttl: {b}"
+        );
+        clock.advance(1_500);
+        let c = deliver(3).await;
+        assert!(
+            matches!(c, Handled::Ran { value: 3, .. }),
+            "after the ttl: {c}"
+        );
+    }
+
     /// A handler that ran is acked even when its completion could not be recorded: requeuing
     /// it would run it again once the lease ran out.
     #[tokio::test]

@@ -62,6 +62,18 @@ fn mismatch(stored: &Option<String>, given: &Option<String>) -> bool {
     matches!((stored, given), (Some(a), Some(b)) if a != b)
 }
 
+/// When a claim completed at `now_ms` is forgotten: `ttl_ms` from now when the complete names
+/// one; else the claim's own ttl from the claim, not the lease end that may have held the
+/// claim's expiry later; but never at or before `now_ms`, so the completed record is answered
+/// even when the work outlasted its ttl.
+fn completed_expiry(claimed: &Entry, ttl_ms: Option<u64>, now_ms: u64) -> u64 {
+    match (ttl_ms, claimed.ttl_ms) {
+        (Some(ttl_ms), _) => now_ms + ttl_ms,
+        (None, Some(claim_ttl_ms)) => (claimed.created_at_ms + claim_ttl_ms).max(now_ms + 1),
+        (None, None) => claimed.expires_at_ms,
+    }
+}
+
 /// Decides `op` on `id` whose stored entry is `current`, at `now_ms` on the store's clock.
 /// `fresh_token` is called only when a new claim needs a token.
 pub fn decide(
@@ -105,6 +117,7 @@ pub fn decide(
                     lease_expires_at_ms: Some(lease_expires_at_ms),
                     completed_at_ms: None,
                     result: None,
+                    ttl_ms: Some(ttl_ms),
                 };
                 let lease = Lease {
                     token,
@@ -170,6 +183,7 @@ pub fn decide(
                     lease_expires_at_ms: None,
                     completed_at_ms: Some(now_ms),
                     result,
+                    ttl_ms: None,
                 };
                 let record = record(&entry);
                 Decision {
@@ -201,9 +215,8 @@ pub fn decide(
                     done.lease_expires_at_ms = None;
                     done.completed_at_ms = Some(now_ms);
                     done.result = result;
-                    if let Some(ttl_ms) = ttl_ms {
-                        done.expires_at_ms = now_ms + ttl_ms;
-                    }
+                    done.ttl_ms = None;
+                    done.expires_at_ms = completed_expiry(e, ttl_ms, now_ms);
                     Decision {
                         answer: Ok(Outcome::Completed(record(&done))),
                         change: Change::Put(done),
@@ -324,6 +337,41 @@ mod tests {
         let d = decide(&id(), op, None, 1, Token::generate);
         assert!(matches!(d.answer, Err(GateError::Invalid(_))));
         assert_eq!(d.change, Change::Keep);
+    }
+
+    fn complete_at(claimed: &Entry, ttl_ms: Option<u64>, now_ms: u64) -> Entry {
+        let op = Op::Complete {
+            token: claimed.token.clone().unwrap(),
+            result: None,
+            ttl_ms,
+        };
+        put(decide(&id(), op, Some(claimed), now_ms, Token::generate))
+    }
+
+    #[test]
+    fn a_completed_record_is_kept_for_its_claims_ttl_not_its_lease() {
+        let op = Op::Claim {
+            ttl_ms: 2_000,
+            lease_ms: 30_000,
+            fingerprint: None,
+            owner: None,
+        };
+        let held = put(decide(&id(), op, None, 100, Token::generate));
+        assert_eq!(
+            held.expires_at_ms, 30_100,
+            "the lease holds the claim's record"
+        );
+        assert_eq!(complete_at(&held, None, 500).expires_at_ms, 2_100);
+        // Work that outlasted its ttl: the completed record is answered, then goes.
+        assert_eq!(complete_at(&held, None, 9_000).expires_at_ms, 9_001);
+        // A ttl named at completion counts from then.
+        assert_eq!(complete_at(&held, Some(50), 500).expires_at_ms, 550);
+        // An entry stored before claims kept their ttl keeps its expiry.
+        let old = Entry {
+            ttl_ms: None,
+            ..held
+        };
+        assert_eq!(complete_at(&old, None, 500).expires_at_ms, 30_100);
     }
 
     #[test]

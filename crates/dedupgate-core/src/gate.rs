@@ -530,6 +530,26 @@ mod tests {
         assert_eq!(record.state, crate::State::InProgress);
     }
 
+    /// A run whose ttl is shorter than its lease blocks its key for the ttl only: the next run
+    /// after it runs (the completed record kept the lease's expiry).
+    #[tokio::test]
+    async fn a_run_blocks_its_key_for_its_ttl_even_below_the_lease() {
+        let clock = crate::ManualClock::new(1_000_000);
+        let gate = Gate::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+        let opts = || ClaimOptions {
+            ttl_ms: Some(2_000),
+            lease_ms: Some(30_000),
+            ..Default::default()
+        };
+        let ok = || async { Ok::<_, &str>(1u8) };
+        let run = || gate.run_with("jobs", "a", Mode::Retriable, opts(), ok);
+        assert!(run().await.unwrap().ran());
+        clock.advance(1_000);
+        assert!(!run().await.unwrap().ran(), "within the ttl");
+        clock.advance(1_500);
+        assert!(run().await.unwrap().ran(), "after the ttl");
+    }
+
     /// A retriable handler's failure says whether its claim was released: when the release
     /// fails (here the record was forgotten under the holder), the caller must not be told the
     /// key is free again.

@@ -242,6 +242,10 @@ pub struct Entry {
     pub completed_at_ms: Option<u64>,
     /// completed only.
     pub result: Option<serde_json::Value>,
+    /// in_progress only: the ttl its claim asked for. A complete that names no ttl keeps the
+    /// record until `created_at_ms + ttl_ms` (the claim's expiry may be later, held up by the
+    /// lease). `None` on entries stored before claims kept it: their expiry then stands.
+    pub ttl_ms: Option<u64>,
 }
 
 impl Entry {

@@ -58,6 +58,7 @@ cases!(
     retried_complete_is_answered_and_a_second_release_refused,
     complete_with_ttl_moves_expiry,
     same_owner_reclaim_never_shortens_its_lease,
+    completed_record_is_kept_for_the_claims_ttl_not_its_lease,
     get_and_forget,
     invalid_ops_change_nothing,
     keys_are_stored_exactly,
@@ -605,6 +606,62 @@ async fn same_owner_reclaim_never_shortens_its_lease(h: &dyn Harness) {
         let rec = c.claim_dup(key).await;
         assert_eq!(rec.state, State::InProgress, "{key}");
         assert_eq!(rec.owner.as_deref(), Some("worker-7"), "{key}");
+    }
+}
+
+/// A claim whose ttl is shorter than its lease: the lease holds its record while it runs, but
+/// once completed (with no ttl of its own) the record is kept for the claim's ttl from the
+/// claim, never until the lease end; a completion after the ttl is answered, then goes at once.
+async fn completed_record_is_kept_for_the_claims_ttl_not_its_lease(h: &dyn Harness) {
+    const SHORT_TTL_MS: u64 = 1_000;
+    let c = Ctx::new(h, "claim_ttl");
+    let claim = Op::Claim {
+        ttl_ms: SHORT_TTL_MS,
+        lease_ms: LEASE_MS * 4,
+        fingerprint: None,
+        owner: None,
+    };
+    let mut leases = Vec::new();
+    for key in ["fast", "slow"] {
+        match c.op(key, claim.clone()).await {
+            Ok(Outcome::Claimed(Claim::New(l))) => leases.push(l),
+            other => panic!("claim {key}: {other:?}"),
+        }
+    }
+    assert!(
+        leases[0].expires_at_ms >= leases[0].lease_expires_at_ms,
+        "a lease never outlives its record"
+    );
+    let Ok(Outcome::Completed(fast)) = c.complete("fast", &leases[0].token, json!(1)).await else {
+        panic!("complete fast")
+    };
+    let kept = |r: &Record| {
+        (r.created_at_ms + SHORT_TTL_MS).max(r.completed_at_ms.expect("completed") + 1)
+    };
+    assert_eq!(
+        fast.expires_at_ms,
+        kept(&fast),
+        "the claim's ttl from the claim"
+    );
+    assert!(fast.expires_at_ms < leases[0].lease_expires_at_ms);
+    assert_eq!(
+        c.claim_dup("fast").await,
+        fast,
+        "a duplicate within the ttl"
+    );
+
+    h.advance(SHORT_TTL_MS + 300).await; // past the ttl, inside the lease
+    let Ok(Outcome::Completed(slow)) = c.complete("slow", &leases[1].token, json!(2)).await else {
+        panic!("a completion after the ttl, inside the lease, is answered")
+    };
+    assert_eq!(slow.state, State::Completed);
+    assert_eq!(slow.expires_at_ms, kept(&slow), "just past its completion");
+    assert_eq!(c.get("fast").await, None, "kept for the ttl, not the lease");
+    h.advance(50).await;
+    assert_eq!(c.get("slow").await, None);
+    for (key, lease) in ["fast", "slow"].into_iter().zip(&leases) {
+        let again = c.claim_new(key).await;
+        assert!(again.fence > lease.fence, "{key}");
     }
 }
 

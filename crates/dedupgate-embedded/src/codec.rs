@@ -12,9 +12,9 @@
 //! u8  encoding version (= 1)
 //! u8  state: 0 in_progress, 1 completed, 2 released
 //! u8  flags: bit0 token, bit1 fingerprint, bit2 owner, bit3 lease_expires_at_ms,
-//!            bit4 completed_at_ms, bit5 result
+//!            bit4 completed_at_ms, bit5 result, bit6 ttl_ms
 //! u64 fence, u64 created_at_ms, u64 expires_at_ms
-//! [u64 lease_expires_at_ms] [u64 completed_at_ms]          (when flagged)
+//! [u64 lease_expires_at_ms] [u64 completed_at_ms] [u64 ttl_ms] (when flagged)
 //! [u16 len + token] [u16 len + fingerprint] [u16 len + owner] (when flagged, UTF-8)
 //! [u32 len + result as JSON text]                           (when flagged)
 //! ```
@@ -35,7 +35,10 @@ const FLAG_OWNER: u8 = 1 << 2;
 const FLAG_LEASE: u8 = 1 << 3;
 const FLAG_COMPLETED: u8 = 1 << 4;
 const FLAG_RESULT: u8 = 1 << 5;
-const FLAGS_KNOWN: u8 = (1 << 6) - 1;
+/// Only an in-progress entry carries its claim's ttl, so a build that reads only bits 0-5
+/// still reads every completed record.
+const FLAG_TTL: u8 = 1 << 6;
+const FLAGS_KNOWN: u8 = (1 << 7) - 1;
 
 /// Why stored bytes could not be read as an entry.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -163,6 +166,7 @@ pub fn encode_entry(entry: &Entry, out: &mut Vec<u8>) {
         (entry.lease_expires_at_ms.is_some(), FLAG_LEASE),
         (entry.completed_at_ms.is_some(), FLAG_COMPLETED),
         (entry.result.is_some(), FLAG_RESULT),
+        (entry.ttl_ms.is_some(), FLAG_TTL),
     ] {
         if present {
             flags |= bit;
@@ -172,9 +176,13 @@ pub fn encode_entry(entry: &Entry, out: &mut Vec<u8>) {
     for v in [entry.fence, entry.created_at_ms, entry.expires_at_ms] {
         out.extend_from_slice(&v.to_le_bytes());
     }
-    for v in [entry.lease_expires_at_ms, entry.completed_at_ms]
-        .into_iter()
-        .flatten()
+    for v in [
+        entry.lease_expires_at_ms,
+        entry.completed_at_ms,
+        entry.ttl_ms,
+    ]
+    .into_iter()
+    .flatten()
     {
         out.extend_from_slice(&v.to_le_bytes());
     }
@@ -259,6 +267,11 @@ pub fn decode_entry(bytes: &[u8]) -> Result<Entry, DecodeError> {
     } else {
         None
     };
+    let ttl_ms = if has(FLAG_TTL) {
+        Some(r.u64("ttl_ms")?)
+    } else {
+        None
+    };
     let token = if has(FLAG_TOKEN) {
         Some(Token::new(r.str16("token")?))
     } else {
@@ -295,6 +308,7 @@ pub fn decode_entry(bytes: &[u8]) -> Result<Entry, DecodeError> {
         lease_expires_at_ms,
         completed_at_ms,
         result,
+        ttl_ms,
     })
 }
 
@@ -315,6 +329,7 @@ mod tests {
             expires_at_ms: 2,
             lease_expires_at_ms: Some(3),
             completed_at_ms: Some(4),
+            ttl_ms: Some(5),
             result: Some(
                 json!({"a": [1, 2.5, "x", null, true], "big": 123456789012345678901234567890u128}),
             ),
@@ -333,6 +348,7 @@ mod tests {
             lease_expires_at_ms: None,
             completed_at_ms: None,
             result: None,
+            ttl_ms: None,
         }
     }
 

@@ -1,4 +1,4 @@
--- dedupgate PostgreSQL functions: one per operation, over the objects of migrations/v1.sql.
+-- dedupgate PostgreSQL functions: one per operation, over the objects of migrations/ (v1, v2).
 --
 -- `{s}` is replaced by the quoted schema name before this runs. They hold no data, so the store
 -- re-creates all of them (this whole file, in the migration's transaction) whenever the md5 of
@@ -105,7 +105,8 @@ BEGIN
                 expires_at_ms = greatest(v_now + p_ttl_ms, v_lease),
                 lease_expires_at_ms = v_lease,
                 completed_at_ms = NULL,
-                result = NULL
+                result = NULL,
+                ttl_ms = p_ttl_ms
             WHERE namespace = p_ns AND key = p_key
             RETURNING * INTO r;
             RETURN ROW(1::smallint, r.state, r.fence, r.token, r.fingerprint, r.owner,
@@ -115,9 +116,9 @@ BEGIN
         IF NOT v_found THEN
             INSERT INTO {s}.dedupgate_records
                 (namespace, key, state, fence, token, fingerprint, owner, created_at_ms,
-                 expires_at_ms, lease_expires_at_ms, completed_at_ms, result)
+                 expires_at_ms, lease_expires_at_ms, completed_at_ms, result, ttl_ms)
             VALUES (p_ns, p_key, 0, v_now * 1000, p_token, p_fp, p_owner, v_now,
-                    greatest(v_now + p_ttl_ms, v_lease), v_lease, NULL, NULL)
+                    greatest(v_now + p_ttl_ms, v_lease), v_lease, NULL, NULL, p_ttl_ms)
             ON CONFLICT (namespace, key) DO NOTHING
             RETURNING * INTO r;
             IF FOUND THEN
@@ -235,7 +236,10 @@ END
 $$;
 
 -- Complete: only the current token of a live entry. A retried complete (entry already completed
--- with this token) is answered with the stored record and changes nothing.
+-- with this token) is answered with the stored record and changes nothing. The record is kept
+-- p_ttl_ms from now when given, else until the claim's ttl ends (created_at_ms + ttl_ms, never
+-- at or before now), not the lease end that may have held the claim's expiry later; a row
+-- without ttl_ms (claimed before schema v2) keeps its expiry.
 CREATE FUNCTION {s}.dedupgate_complete(p_ns bytea, p_key bytea, p_token bytea, p_result bytea,
                                        p_ttl_ms bigint)
 RETURNS {s}.dedupgate_answer
@@ -258,7 +262,11 @@ BEGIN
             lease_expires_at_ms = NULL,
             completed_at_ms = v_now,
             result = p_result,
-            expires_at_ms = CASE WHEN p_ttl_ms IS NULL THEN expires_at_ms ELSE v_now + p_ttl_ms END
+            expires_at_ms = CASE WHEN p_ttl_ms IS NOT NULL THEN v_now + p_ttl_ms
+                                 WHEN ttl_ms IS NOT NULL
+                                 THEN greatest(created_at_ms + ttl_ms, v_now + 1)
+                                 ELSE expires_at_ms END,
+            ttl_ms = NULL
         WHERE namespace = p_ns AND key = p_key
         RETURNING * INTO r;
     END IF;
@@ -462,10 +470,10 @@ BEGIN
         ), ins AS (
             INSERT INTO {s}.dedupgate_records AS n
                 (namespace, key, state, fence, token, fingerprint, owner, created_at_ms,
-                 expires_at_ms, lease_expires_at_ms, completed_at_ms, result)
+                 expires_at_ms, lease_expires_at_ms, completed_at_ms, result, ttl_ms)
             SELECT u.ns, u.key, 0, u.now_ms * 1000, u.token, u.fp, u.owner, u.now_ms,
                    greatest(u.now_ms + u.ttl_ms, u.now_ms + u.lease_ms), u.now_ms + u.lease_ms,
-                   NULL, NULL
+                   NULL, NULL, u.ttl_ms
             FROM u
             ON CONFLICT (namespace, key) DO NOTHING
             RETURNING n.namespace, n.key, n.created_at_ms, {s}.dedupgate_now_ms() AS after_ms,
@@ -536,6 +544,8 @@ BEGIN
                                                         AND e.owner = u.owner
                                      THEN greatest(e.lease_expires_at_ms, v_now + u.lease_ms)
                                      ELSE v_now + u.lease_ms END,
+                        ttl_ms = CASE WHEN e.expires_at_ms > v_now AND e.state = 0 AND e.owner = u.owner
+                                      THEN e.ttl_ms ELSE u.ttl_ms END,
                         completed_at_ms = NULL,
                         result = NULL
                     FROM u

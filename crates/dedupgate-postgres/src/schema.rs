@@ -14,10 +14,13 @@ use crate::error::{describe_pg, open_error, PgError};
 use crate::options::PgOptions;
 
 /// The newest schema version this build knows. A database at a newer version is refused.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// Each version's SQL; `{s}` stands for the quoted schema name.
-const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("migrations/v1.sql"))];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("migrations/v1.sql")),
+    (2, include_str!("migrations/v2.sql")),
+];
 
 /// Every function, over the objects of the migrations; `{s}` stands for the quoted schema name.
 const FUNCTIONS: &str = include_str!("functions.sql");

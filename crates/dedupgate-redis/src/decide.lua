@@ -19,8 +19,12 @@
 --   F                                                forget
 --
 -- A record is a MessagePack array {state, fence, token, fingerprint, owner, created_at_ms,
--- expires_at_ms, lease_expires_at_ms, completed_at_ms, result_json} with `false` for none,
--- state 'i' (in_progress), 'c' (completed) or 'r' (released: a fence-keeping tombstone).
+-- expires_at_ms, lease_expires_at_ms, completed_at_ms, result_json, ttl_ms} with `false` for
+-- none, state 'i' (in_progress), 'c' (completed) or 'r' (released: a fence-keeping tombstone).
+-- ttl_ms is the ttl a claim asked for (in_progress only): a complete that names no ttl keeps
+-- the record until created_at_ms + ttl_ms (never at or before its completion), not until the
+-- lease end that may have held the claim's expiry later. A record of 10 (written before ttl_ms
+-- was kept) reads as ttl_ms false: its expiry stands.
 -- Its key expires (PXAT) `keep` ms after the record's expires_at_ms, so Redis forgets it by
 -- itself; until then the script treats it as absent but still reads its fence, so a fence
 -- increases even if Redis's clock steps back after expiry.
@@ -56,9 +60,9 @@ local call, pack, unpack = redis.call, cmsgpack.pack, cmsgpack.unpack
 -- A new plain claim's record is this head, the 32-character token, and a tail that depends
 -- only on the run's ttl and lease: no table and no MessagePack call per key.
 local TOKEN_LEN = 32
--- (0x9a: an array of 10; 0xd9 0x20: a 32-byte string, valid MessagePack whatever header
+-- (0x9b: an array of 11; 0xd9 0x20: a 32-byte string, valid MessagePack whatever header
 -- cmsgpack itself would pick.)
-local head = string.char(0x9a) .. pack('i', fresh_fence) .. string.char(0xd9, TOKEN_LEN)
+local head = string.char(0x9b) .. pack('i', fresh_fence) .. string.char(0xd9, TOKEN_LEN)
 
 local function decode(r, raw)
   local ok, v = pcall(unpack, raw)
@@ -66,7 +70,7 @@ local function decode(r, raw)
     return nil
   end
   return {s = v[1], f = v[2], t = v[3], p = v[4], o = v[5], c = v[6], e = v[7], l = v[8],
-          d = v[9], r = v[10]}
+          d = v[9], r = v[10], x = v[11] or false}
 end
 
 local function corrupt(r)
@@ -74,7 +78,7 @@ local function corrupt(r)
 end
 
 local function enc(e)
-  return pack({e.s, e.f, e.t, e.p, e.o, e.c, e.e, e.l, e.d, e.r})
+  return pack({e.s, e.f, e.t, e.p, e.o, e.c, e.e, e.l, e.d, e.r, e.x})
 end
 
 local function put(r, e)
@@ -82,7 +86,8 @@ local function put(r, e)
 end
 
 local function copy(e)
-  return {s = e.s, f = e.f, t = e.t, p = e.p, o = e.o, c = e.c, e = e.e, l = e.l, d = e.d, r = e.r}
+  return {s = e.s, f = e.f, t = e.t, p = e.p, o = e.o, c = e.c, e = e.e, l = e.l, d = e.d, r = e.r,
+          x = e.x}
 end
 
 -- Numbers go back as integer replies (exact: every time and fence is below 2^53).
@@ -115,12 +120,12 @@ local function states(cur)
 end
 
 -- A claim on a key that exists (cur: its record, maybe expired).
-local function claim(r, cur, exp, lease_exp, fp, owner, token)
+local function claim(r, cur, exp, lease_exp, fp, owner, token, ttl_ms)
   local _, live = states(cur)
   local function take()
     local f = next_fence(cur)
     put(r, {s = 'i', f = f, t = token, p = fp, o = owner, c = now, e = exp, l = lease_exp,
-            d = false, r = false})
+            d = false, r = false, x = ttl_ms})
     return {'N', token, f, lease_exp, exp}
   end
   if not live then
@@ -154,12 +159,13 @@ while i <= nkeys do
 
   if code == 'c' then
     -- A run of plain claims sharing ttl and lease: the hot path, one command per new key.
+    local ttl_ms = tonumber(ARGV[a + 1])
     local lease_exp = now + tonumber(ARGV[a + 2])
-    local exp = now + tonumber(ARGV[a + 1])
+    local exp = now + ttl_ms
     if lease_exp > exp then exp = lease_exp end
     local n = tonumber(ARGV[a + 3])
     a = a + 4
-    local tail = pack(false, false, now, exp, lease_exp, false, false)
+    local tail = pack(false, false, now, exp, lease_exp, false, false, ttl_ms)
     local pxat = string.format('%.0f', exp + keep)
     for j = i, i + n - 1 do
       local key, token = KEYS[j], ARGV[a]
@@ -169,7 +175,7 @@ while i <= nkeys do
         v = head .. token .. tail
       else
         v = enc({s = 'i', f = fresh_fence, t = token, p = false, o = false, c = now, e = exp,
-                 l = lease_exp, d = false, r = false})
+                 l = lease_exp, d = false, r = false, x = ttl_ms})
       end
       local old = call('SET', key, v, 'NX', 'GET', 'PXAT', pxat)
       if not old then
@@ -177,7 +183,7 @@ while i <= nkeys do
       else
         local cur = decode(key, old)
         if not cur then return corrupt(key) end
-        out[j + 1] = claim(key, cur, exp, lease_exp, false, false, token)
+        out[j + 1] = claim(key, cur, exp, lease_exp, false, false, token, ttl_ms)
       end
     end
     i = i + n - 1
@@ -192,14 +198,14 @@ while i <= nkeys do
     local lease_exp = now + lease_ms
     local exp = math.max(now + ttl_ms, lease_exp)
     local v = enc({s = 'i', f = fresh_fence, t = token, p = fp, o = owner, c = now, e = exp,
-                   l = lease_exp, d = false, r = false})
+                   l = lease_exp, d = false, r = false, x = ttl_ms})
     local old = call('SET', r, v, 'NX', 'GET', 'PXAT', exp + keep)
     if not old then
       reply = 1
     else
       local cur = decode(r, old)
       if not cur then return corrupt(r) end
-      reply = claim(r, cur, exp, lease_exp, fp, owner, token)
+      reply = claim(r, cur, exp, lease_exp, fp, owner, token, ttl_ms)
     end
 
   elseif code == 'M' then
@@ -210,7 +216,7 @@ while i <= nkeys do
     if nonce == '' then nonce = false end
     local function new(f)
       return {s = 'c', f = f, t = nonce, p = fp, o = false, c = now, e = now + ttl_ms, l = false,
-              d = now, r = result}
+              d = now, r = result, x = false}
     end
     local old = call('SET', r, enc(new(fresh_fence)), 'NX', 'GET', 'PXAT', now + ttl_ms + keep)
     if not old then
@@ -257,7 +263,12 @@ while i <= nkeys do
           done.l = false
           done.d = now
           done.r = result
-          if ttl ~= '' then done.e = now + tonumber(ttl) end
+          done.x = false
+          if ttl ~= '' then
+            done.e = now + tonumber(ttl)
+          elseif live.x then
+            done.e = math.max(live.c + live.x, now + 1)
+          end
           put(r, done)
           reply = record('K', done)
         else

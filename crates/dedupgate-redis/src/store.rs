@@ -950,7 +950,7 @@ fn time_ms(v: &Value) -> Option<u64> {
 
 /// Writes to `out` the record `decide.lua` writes for a new claim or mark of a key that does
 /// not exist, decided at `now_ms`, byte for byte (the script's `enc`: a MessagePack array of
-/// 10 as Redis's cmsgpack packs it, `false` for none; see the script's header). Returns the
+/// 11 as Redis's cmsgpack packs it, `false` for none; see the script's header). Returns the
 /// record's `expires_at_ms`, or `None` for other ops (and a claim or mark without its fresh token).
 fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) -> Option<u64> {
     const FALSE: u8 = 0xc2;
@@ -1005,7 +1005,7 @@ fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) 
             let token = token?;
             let lease_expires_at_ms = now_ms + lease_ms;
             let expires_at_ms = (now_ms + ttl_ms).max(lease_expires_at_ms);
-            out.push(0x9a);
+            out.push(0x9b);
             text(out, b"i");
             int(out, fence);
             text(out, token.as_str().as_bytes());
@@ -1015,6 +1015,7 @@ fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) 
             int(out, expires_at_ms);
             int(out, lease_expires_at_ms);
             out.extend_from_slice(&[FALSE, FALSE]);
+            int(out, *ttl_ms);
             Some(expires_at_ms)
         }
         Op::Mark {
@@ -1024,7 +1025,7 @@ fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) 
         } => {
             let token = token?;
             let expires_at_ms = now_ms + ttl_ms;
-            out.push(0x9a);
+            out.push(0x9b);
             text(out, b"c");
             int(out, fence);
             text(out, token.as_str().as_bytes());
@@ -1038,6 +1039,7 @@ fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) 
                 Some(v) => text(out, v.to_string().as_bytes()),
                 None => out.push(FALSE),
             }
+            out.push(FALSE);
             Some(expires_at_ms)
         }
         _ => None,

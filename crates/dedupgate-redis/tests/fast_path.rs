@@ -249,7 +249,7 @@ async fn check_new(store: &Arc<dyn Store>, k: &RecordId, op: &Op, r: &Result<Out
 async fn check_bytes(t: &Target, ids: &[RecordId]) {
     const REPACK: &str = "local raw = redis.call('GET', KEYS[1]) \
         local v = cmsgpack.unpack(raw) \
-        if cmsgpack.pack({v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10]}) == raw \
+        if cmsgpack.pack({v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11]}) == raw \
         then return 1 else return 0 end";
     for k in ids {
         let key = record_keys("dg", k).record;
