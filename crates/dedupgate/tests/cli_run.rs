@@ -861,3 +861,26 @@ fn cmd_gets_its_fence_and_a_retry_gets_a_higher_one() {
         "the retry runs under a higher fence: {lines:?}"
     );
 }
+
+/// A completed run blocks its key for `--ttl` from its claim, also when the ttl is shorter than
+/// the lease (the completed record kept the lease's 30 s expiry).
+#[test]
+fn a_ttl_shorter_than_the_lease_frees_the_key_when_it_ends() {
+    let env = Env::new("short_ttl");
+    let script = append(&env.path("count"));
+    let args = ["--key", "k", "--ttl", "3s", "--lease", "30s"];
+    let started = Instant::now();
+    let first = env.run(&args, &script);
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+    let second = env.run(&args, &script);
+    assert!(
+        stderr(&second).contains("already ran"),
+        "{}",
+        stderr(&second)
+    );
+    assert_eq!(env.count_lines("count"), 1, "skipped within the ttl");
+    std::thread::sleep(Duration::from_millis(3_500).saturating_sub(started.elapsed()));
+    let third = env.run(&args, &script);
+    assert_eq!(code(&third), 0, "{}", stderr(&third));
+    assert_eq!(env.count_lines("count"), 2, "ran again once the ttl ended");
+}
