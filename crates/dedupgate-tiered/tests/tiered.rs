@@ -1,5 +1,5 @@
-//! The two-tier store: the conformance suite over memory+memory (one manual clock) and
-//! Redis+Redis, and a load during which the fast store is flushed and then killed.
+//! The two-tier store: the conformance suite over memory+memory (one manual clock), Redis+Redis
+//! and Redis+PostgreSQL, and a load during which the fast store is flushed and then killed.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dedupgate_core::testkit::{run_all, Harness};
 use dedupgate_core::{Claim, Clock, ManualClock, MemoryStore, Op, Outcome, RecordId, Store};
+use dedupgate_postgres::{tokio_postgres, PgStore};
 use dedupgate_redis::testkit::{shared_redis_url, RedisServer};
 use dedupgate_redis::RedisStore;
 use dedupgate_tiered::TieredStore;
@@ -77,6 +78,42 @@ async fn conformance_redis_over_redis() {
     let tier =
         Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)).with_fast_timeout_ms(2_000));
     run_all(&RealTime(tier.clone())).await;
+    assert!(tier.counters().hits.load(Ordering::Relaxed) > 0);
+}
+
+/// The tier `serve --store tiered:redis://…,postgres://…` opens: Redis in front of PostgreSQL
+/// (a schema of its own, dropped after), held to the whole suite, its concurrent batches over
+/// overlapping keys included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn conformance_redis_over_postgres() {
+    let pg_url = std::env::var("DEDUPGATE_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let schema = format!("dgtest_tiered_{:016x}", rand::thread_rng().gen::<u64>());
+    let fast = RedisStore::open(&format!("{}?key_prefix=dgtier-pg", shared_redis_url()))
+        .await
+        .unwrap();
+    let durable = PgStore::open(&format!("{pg_url}?dedupgate_schema={schema}"))
+        .await
+        .unwrap();
+    // A generous fast-store timeout, as above: this test wants to see hits on a loaded machine.
+    let tier =
+        Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)).with_fast_timeout_ms(2_000));
+    let outcome = tokio::spawn({
+        let tier = tier.clone();
+        async move { run_all(&RealTime(tier)).await }
+    })
+    .await;
+    let (client, conn) = tokio_postgres::connect(&pg_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
     assert!(tier.counters().hits.load(Ordering::Relaxed) > 0);
 }
 
