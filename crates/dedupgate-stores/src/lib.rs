@@ -59,14 +59,29 @@ pub enum SpecError {
         /// The scheme as given.
         scheme: String,
     },
+    /// `memory:` followed by something: the memory store takes no argument.
+    #[error("memory: takes no argument (got {spec:?}): give memory: alone")]
+    MemoryArgument {
+        /// The STORE string.
+        spec: String,
+    },
+    /// A known scheme without its `//` (`redis:/host`), or another `word:` prefix: a URL
+    /// spelled wrong, not a directory name.
+    #[error("{spec:?} is not a store form: {hint}")]
+    Malformed {
+        /// The STORE string, password redacted.
+        spec: String,
+        /// What to write instead.
+        hint: String,
+    },
 }
 
-/// Why a store would not open. Each variant names the store (password redacted) and keeps the
-/// store's own error as its source.
+/// Why a store would not open. Each variant keeps the store's own error as its source, and its
+/// message names the store (password redacted) once: not again when that error names it.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
     /// The embedded store refused to open (locked directory, corrupt journal, I/O).
-    #[error("opening the embedded store in {}", dir.display())]
+    #[error("cannot open the embedded store{}", unless_named(&dir.display().to_string(), source))]
     Embedded {
         /// The data directory.
         dir: PathBuf,
@@ -75,10 +90,10 @@ pub enum OpenStoreError {
         source: dedupgate_embedded::OpenError,
     },
     /// The blocking task that opens the embedded store panicked or was cancelled.
-    #[error("the embedded store's open task failed")]
+    #[error("cannot open the embedded store: its open task failed")]
     EmbeddedTask(#[source] tokio::task::JoinError),
     /// The PostgreSQL store refused to open.
-    #[error("opening the PostgreSQL store {spec}")]
+    #[error("cannot open the PostgreSQL store{}", unless_named(spec, source))]
     Postgres {
         /// The URL, password redacted.
         spec: String,
@@ -87,7 +102,7 @@ pub enum OpenStoreError {
         source: dedupgate_postgres::PgError,
     },
     /// The Redis (or Redis Cluster) store refused to open.
-    #[error("opening the Redis store {spec}")]
+    #[error("cannot open the Redis store{}", unless_named(spec, source))]
     Redis {
         /// The URL, password redacted.
         spec: String,
@@ -96,11 +111,22 @@ pub enum OpenStoreError {
         source: dedupgate_redis::OpenError,
     },
     /// The fast tier of a tiered store refused to open.
-    #[error("opening the fast tier of the tiered store")]
+    #[error("cannot open the tiered store's fast tier")]
     TieredFast(#[source] Box<OpenStoreError>),
     /// The durable tier of a tiered store refused to open.
-    #[error("opening the durable tier of the tiered store")]
+    #[error("cannot open the tiered store's durable tier")]
     TieredDurable(#[source] Box<OpenStoreError>),
+}
+
+/// `" {name}"`, or nothing when `source`'s message already names the store (its directory, or
+/// a URL: the PostgreSQL and Redis stores name theirs, the password left out).
+fn unless_named(name: &str, source: &dyn std::fmt::Display) -> String {
+    let said = source.to_string();
+    if said.contains(name) || (name.contains("://") && said.contains("://")) {
+        String::new()
+    } else {
+        format!(" {name}")
+    }
 }
 
 impl OpenStoreError {
@@ -138,9 +164,35 @@ impl OpenStoreError {
 }
 
 /// A STORE string (or URL) without its password, for messages and logs: the userinfo password
-/// and any `password=` query value become `***`.
+/// (of each URL: a tiered spec holds two) and any `password=` query value become `***`; a URL
+/// that gives no password is left as it is.
 pub fn redact(spec: &str) -> String {
-    let s = dedupgate_redis::redact(spec);
+    let mut s = String::with_capacity(spec.len());
+    let mut rest = spec;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        s.push_str(head);
+        // The authority ends at the path, the query, or the next URL of a tiered spec.
+        let end = [tail.find(['/', '?', '#']), tail.find("://")]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(tail.len());
+        let (authority, after) = tail.split_at(end);
+        match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => {
+                match userinfo.split_once(':') {
+                    Some((user, _password)) => s.push_str(&format!("{user}:***")),
+                    None => s.push_str(userinfo),
+                }
+                s.push('@');
+                s.push_str(hosts);
+            }
+            None => s.push_str(authority),
+        }
+        rest = after;
+    }
+    s.push_str(rest);
     let Some((head, query)) = s.split_once('?') else {
         return s;
     };
@@ -164,6 +216,9 @@ impl std::str::FromStr for StoreSpec {
         }
         if s == "memory:" || s == "memory" {
             return Ok(StoreSpec::Memory);
+        }
+        if s.starts_with("memory:") {
+            return Err(SpecError::MemoryArgument { spec: redact(s) });
         }
         if let Some(rest) = s.strip_prefix("tiered:") {
             // Split at the first comma that starts a store spec (cluster specs hold commas).
@@ -195,8 +250,66 @@ impl std::str::FromStr for StoreSpec {
                 scheme: scheme.to_owned(),
             });
         }
+        if let Some(hint) = malformed_hint(s) {
+            return Err(SpecError::Malformed {
+                spec: redact_malformed(s),
+                hint,
+            });
+        }
         Ok(StoreSpec::Embedded(PathBuf::from(s)))
     }
+}
+
+/// [`redact`] for a `scheme:` string whose `//` is missing or short (`redis:/u:pw@h`).
+fn redact_malformed(s: &str) -> String {
+    let Some((scheme, rest)) = s.split_once(':') else {
+        return redact(s);
+    };
+    let authority = rest.trim_start_matches('/');
+    let slashes = &rest[..rest.len() - authority.len()];
+    let redacted = redact(&format!("{scheme}://{authority}"));
+    let authority = redacted.split_once("://").map_or("", |(_, a)| a);
+    format!("{scheme}:{slashes}{authority}")
+}
+
+/// URL schemes of the store forms, each as it must be written.
+const URL_SCHEMES: [&str; 6] = [
+    "redis",
+    "rediss",
+    "redis+unix",
+    "redis+cluster",
+    "postgres",
+    "postgresql",
+];
+
+/// What to write instead of `s` when it looks like a scheme (`word:` at its start, two
+/// characters or more, so `C:` stays a path) but is no store form: `redis:/host` and
+/// `postgres:host/db` are URLs with their `//` missing, not directory names. `None` when `s`
+/// does not look like one.
+fn malformed_hint(s: &str) -> Option<String> {
+    let (scheme, rest) = s.split_once(':')?;
+    let looks_like_scheme = scheme.len() >= 2
+        && scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    if !looks_like_scheme {
+        return None;
+    }
+    let lower = scheme.to_ascii_lowercase();
+    let hint = if URL_SCHEMES.contains(&lower.as_str()) {
+        let url = format!("{lower}://{}", rest.trim_start_matches('/'));
+        format!("did you mean {}?", redact(&url))
+    } else if matches!(lower.as_str(), "embedded" | "tiered" | "memory") {
+        format!("write {lower}: in lowercase")
+    } else {
+        format!(
+            "use a path, embedded:PATH, memory:, redis://…, redis+cluster://…, postgres://… or \
+             tiered:FAST,DURABLE (a directory whose name has a colon: ./{})",
+            redact(s)
+        )
+    };
+    Some(hint)
 }
 
 /// Splits `FAST,DURABLE` at the first comma followed by the start of a store spec: cluster
@@ -306,6 +419,47 @@ mod tests {
         assert!("ftp://x".parse::<StoreSpec>().is_err());
         assert!("".parse::<StoreSpec>().is_err());
         assert!("tiered:memory:".parse::<StoreSpec>().is_err());
+    }
+
+    #[test]
+    fn refuses_what_only_looks_like_a_path() {
+        let err = |s: &str| s.parse::<StoreSpec>().unwrap_err().to_string();
+        assert!(
+            err("memory:foo").contains("memory: takes no argument"),
+            "{}",
+            err("memory:foo")
+        );
+        assert!(err("redis:/host").contains("did you mean redis://host?"));
+        assert!(err("rediss:host:6380").contains("did you mean rediss://host:6380?"));
+        assert!(err("postgresql:/u@h/db").contains("did you mean postgresql://u@h/db?"));
+        assert!(err("Redis://h").contains("\"Redis\""));
+        let secret = err("postgres:/u:secret@h/db");
+        assert!(!secret.contains("secret") && secret.contains("postgres://u:***@h/db"));
+        assert!(err("sqlite:data.db").contains("./sqlite:data.db"));
+        assert!(err("Embedded:dir").contains("lowercase"));
+        // Paths stay paths, colons and all, when they do not start like a scheme.
+        for path in ["./redis:/host", "C:/data", "data", "/var/lib/a:b", "1:2"] {
+            assert_eq!(
+                path.parse::<StoreSpec>().unwrap(),
+                StoreSpec::Embedded(path.into()),
+                "{path}"
+            );
+        }
+    }
+
+    #[test]
+    fn masks_only_a_password_that_was_given() {
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("redis://h:6379"), "redis://h:6379");
+        assert_eq!(redact("redis://:pw@h:6379/0"), "redis://:***@h:6379/0");
+        assert_eq!(
+            redact("tiered:redis://u:one@h:1,postgres://u:two@h/db"),
+            "tiered:redis://u:***@h:1,postgres://u:***@h/db"
+        );
+        assert_eq!(
+            redact("redis+cluster://u:pw@a:1,b:2"),
+            "redis+cluster://u:***@a:1,b:2"
+        );
     }
 
     #[test]

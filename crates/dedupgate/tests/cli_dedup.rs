@@ -1603,3 +1603,23 @@ fn a_ledger_past_its_memory_limit_decides_the_same() {
     assert!(again.status.success(), "{}", err(&again));
     assert_eq!(out(&again), "", "a re-run emits nothing");
 }
+
+#[test]
+fn mixed_formats_are_named_as_people_write_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = write(dir.path(), "events.csv", "id\n1\n");
+    let jsonl = write(dir.path(), "events.jsonl", "{\"id\":1}\n");
+    let o = dg()
+        .args(["dedup", "--key-fields", "id"])
+        .arg(&csv)
+        .arg(&jsonl)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", err(&o));
+    assert!(err(&o).contains("events.csv is CSV"), "{}", err(&o));
+    assert!(
+        err(&o).contains("events.jsonl is JSON Lines"),
+        "{}",
+        err(&o)
+    );
+}

@@ -354,9 +354,25 @@ fn from_client(e: ClientError) -> Failure {
 }
 
 fn from_gate(e: GateError) -> Failure {
+    let code = e.code();
+    let detail = match &e {
+        // The client's wrapping of a server's detail: the detail alone says it.
+        GateError::Invalid(invalid) if invalid.field == "request" => invalid.reason.clone(),
+        _ => e.to_string(),
+    };
     Failure::Answer {
-        code: e.code().to_owned(),
-        detail: e.to_string(),
+        code: code.to_owned(),
+        detail: without_code(code, &detail).to_owned(),
+    }
+}
+
+/// `detail` without a first part that restates `code` in words ("invalid request: …",
+/// "store unavailable: …"), since the message prints the code before it.
+fn without_code<'a>(code: &str, detail: &'a str) -> &'a str {
+    let words = code.replace('_', " ");
+    match detail.split_once(": ") {
+        Some((head, rest)) if head.ends_with(words.as_str()) => rest,
+        _ => detail,
     }
 }
 

@@ -209,7 +209,7 @@ async fn serve(r: Resolved) -> anyhow::Result<()> {
     // backoff; other requests pass through meanwhile. A refused configuration still stops it.
     let (store, pending) = store_spec::open_or_pending(&r.store, store_spec::Backoff::default())
         .await
-        .map_err(|e| super::pipeline::backend::open_failed(&r.store, e))?;
+        .map_err(|e| super::pipeline::backend::serving_open_failed(e, "proxy"))?;
     let upstream = r.config.upstream.url.clone();
     let encrypted = r.config.idempotency.sealer.is_some();
     let describe = store.describe();

@@ -77,7 +77,7 @@ pub async fn open_waiting(
                 }
                 tokio::time::sleep(Duration::from_millis(LOCK_RETRY_MS)).await;
             }
-            Err(e) => return Err(open_failed(spec, e)),
+            Err(e) => return Err(open_failed(e)),
         }
     }
 }
@@ -470,23 +470,40 @@ pub fn is_lease_lost(e: &anyhow::Error) -> bool {
     })
 }
 
-/// A spec for messages (never a password: URLs are cut at their authority).
-/// Why `spec` did not open, with what to do when another process holds its directory (the
-/// usual cause: a `dedupgate serve` or `proxy` on the default `./dedupgate-data`).
-pub fn open_failed(spec: &StoreSpec, e: store_spec::OpenStoreError) -> anyhow::Error {
-    let locked = e.is_locked();
-    let err = anyhow::Error::new(e).context(format!("cannot open store {}", describe(spec)));
-    if locked {
-        err.context(
-            "the store is in use by another process: is `dedupgate serve` running on it? Go \
-             through it with --server URL (run, dedup, claim … forget), or give another store \
-             directory (--store, --ledger)",
-        )
+/// Why a store did not open (the error names the store), with what to do when another process
+/// holds its directory (the usual cause: a `dedupgate serve` or `proxy` on the default
+/// `./dedupgate-data`): go through that server, or use another directory.
+pub fn open_failed(e: store_spec::OpenStoreError) -> anyhow::Error {
+    with_lock_hint(
+        e,
+        "if a `dedupgate serve` holds it, go through it with --server URL, or give another \
+         store directory (--store; --ledger for dedup)",
+    )
+}
+
+/// [`open_failed`] for `serve` and `proxy` (`command`), which hold their store for their whole
+/// life and have no `--server` to go through.
+pub fn serving_open_failed(e: store_spec::OpenStoreError, command: &str) -> anyhow::Error {
+    with_lock_hint(
+        e,
+        &format!(
+            "if another `dedupgate serve` or `proxy` holds it, stop that one, or give this \
+             {command} a store directory of its own with --store"
+        ),
+    )
+}
+
+/// `e`, followed by `hint` when its directory is locked (after the cause, which the message
+/// then holds: the error keeps no source, so the chain is not said twice).
+fn with_lock_hint(e: store_spec::OpenStoreError, hint: &str) -> anyhow::Error {
+    if e.is_locked() {
+        anyhow!("{:#}; {hint}", anyhow::Error::new(e))
     } else {
-        err
+        anyhow::Error::new(e)
     }
 }
 
+/// A spec for messages (never a password: URLs are cut at their authority).
 pub fn describe(spec: &StoreSpec) -> String {
     match spec {
         StoreSpec::Memory => "memory:".to_owned(),

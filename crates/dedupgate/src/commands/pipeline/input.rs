@@ -24,6 +24,15 @@ pub enum Format {
     Csv,
 }
 
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Format::Jsonl => "JSON Lines",
+            Format::Csv => "CSV",
+        })
+    }
+}
+
 impl Format {
     /// The format an extension names, if any.
     pub fn of_path(path: &Path) -> Option<Format> {
@@ -48,7 +57,7 @@ impl Format {
                     match found {
                         Some((g, first)) if g != f => {
                             return Err(usage(format!(
-                                "inputs mix formats ({} is {g:?}, {} is {f:?}); give --format",
+                                "inputs mix formats ({} is {g}, {} is {f}); give --format",
                                 first.display(),
                                 path.display()
                             )))
