@@ -8,6 +8,7 @@ use http::{HeaderName, Method};
 use serde::Deserialize;
 
 use crate::error::ConfigError;
+use crate::problem::ErrorFormat;
 use crate::seal::Sealer;
 
 /// Longest `Idempotency-Key` accepted, in characters (API.md: longer keys get 400).
@@ -46,6 +47,8 @@ pub struct Route {
     pub path: String,
     /// What the rule asks of a matching request.
     pub key: Requirement,
+    /// How the proxy words its own errors on this route; `None`: the configuration's.
+    pub errors: Option<ErrorFormat>,
 }
 
 impl Route {
@@ -123,6 +126,10 @@ pub struct IdempotencyConfig {
     pub wait_ms: Option<u64>,
     /// Encrypts stored responses at rest when set.
     pub sealer: Option<Sealer>,
+    /// How the proxy words its own errors where the matching route does not say (and on
+    /// requests no route matches): problem JSON unless the API behind it has a convention of
+    /// its own that its clients parse (Stripe's).
+    pub errors: ErrorFormat,
 }
 
 impl Default for IdempotencyConfig {
@@ -140,6 +147,7 @@ impl Default for IdempotencyConfig {
             response_bytes_max: DEFAULT_RESPONSE_BYTES_MAX,
             wait_ms: None,
             sealer: None,
+            errors: ErrorFormat::Problem,
         }
     }
 }
@@ -150,6 +158,7 @@ pub fn default_routes() -> Vec<Route> {
         methods: vec![Method::POST, Method::PATCH],
         path: "/**".to_owned(),
         key: Requirement::Optional,
+        errors: None,
     }]
 }
 
@@ -160,6 +169,15 @@ impl IdempotencyConfig {
             .iter()
             .find(|r| r.matches(method, path))
             .map(|r| r.key)
+    }
+
+    /// The error format of the first rule matching the request, else the configuration's.
+    pub fn error_format(&self, method: &Method, path: &str) -> ErrorFormat {
+        self.routes
+            .iter()
+            .find(|r| r.matches(method, path))
+            .and_then(|r| r.errors)
+            .unwrap_or(self.errors)
     }
 
     /// Checks the fields a store would otherwise refuse on the first request.
@@ -195,11 +213,13 @@ impl IdempotencyConfig {
 /// request_bytes_max = 1048576
 /// body_read_timeout = "30s"
 /// wait = "10s"
+/// errors = "problem"          # or "stripe"; a route may say otherwise
 ///
 /// [[route]]
 /// methods = ["POST"]
 /// path = "/v1/charges"
 /// key = "required"
+/// errors = "stripe"
 ///
 /// [[route]]
 /// methods = ["POST"]
@@ -236,6 +256,8 @@ pub struct ConfigFile {
     pub response_bytes_max: Option<u64>,
     /// Wait for an in-flight duplicate, with a unit.
     pub wait: Option<String>,
+    /// Error format where a route does not say: `problem` (default) or `stripe`.
+    pub errors: Option<ErrorFormat>,
     /// Route rules; when absent, POST and PATCH everywhere, key optional.
     #[serde(default, rename = "route")]
     pub routes: Vec<RouteFile>,
@@ -251,6 +273,8 @@ pub struct RouteFile {
     pub path: Option<String>,
     /// `required`, `optional` (default) or `off`.
     pub key: Option<Requirement>,
+    /// `problem` or `stripe`; default: the file's (or the command line's) `errors`.
+    pub errors: Option<ErrorFormat>,
 }
 
 impl ConfigFile {
@@ -301,6 +325,9 @@ impl ConfigFile {
         if let Some(w) = self.wait {
             base.wait_ms = Some(parse_duration_ms(&w)?);
         }
+        if let Some(e) = self.errors {
+            base.errors = e;
+        }
         if !self.routes.is_empty() {
             base.routes = self
                 .routes
@@ -340,6 +367,7 @@ impl RouteFile {
             methods,
             path,
             key: self.key.unwrap_or(Requirement::Optional),
+            errors: self.errors,
         })
     }
 }
@@ -418,6 +446,11 @@ key = "off"
             c.requirement(&Method::PATCH, "/health"),
             Some(Requirement::Off)
         );
+        assert_eq!(c.errors, ErrorFormat::Problem);
+        assert_eq!(
+            c.error_format(&Method::POST, "/pay/x"),
+            ErrorFormat::Problem
+        );
         assert!(ConfigFile::parse("bogus = 1").is_err());
         assert!(ConfigFile::parse("body_read_timeout = \"0s\"")
             .unwrap()
@@ -427,5 +460,41 @@ key = "off"
             .unwrap()
             .apply(IdempotencyConfig::default())
             .is_err());
+    }
+
+    #[test]
+    fn error_formats_per_route_and_globally() {
+        let c = ConfigFile::parse(
+            r#"
+errors = "stripe"
+[[route]]
+methods = ["POST"]
+path = "/v1/**"
+key = "required"
+[[route]]
+methods = ["POST"]
+path = "/internal/**"
+errors = "problem"
+"#,
+        )
+        .unwrap()
+        .apply(IdempotencyConfig::default())
+        .unwrap();
+        assert_eq!(
+            c.error_format(&Method::POST, "/v1/charges"),
+            ErrorFormat::Stripe
+        );
+        assert_eq!(
+            c.error_format(&Method::POST, "/internal/x"),
+            ErrorFormat::Problem
+        );
+        // No route matches: the file's format.
+        assert_eq!(
+            c.error_format(&Method::GET, "/v1/charges"),
+            ErrorFormat::Stripe
+        );
+        assert!(ConfigFile::parse("errors = \"json\"").is_err());
+        let d = IdempotencyConfig::default();
+        assert_eq!(d.error_format(&Method::POST, "/x"), ErrorFormat::Problem);
     }
 }

@@ -26,7 +26,7 @@ use crate::body::{IdleTimeout, ProxyBody};
 use crate::error::ConfigError;
 use crate::headers::strip_hop_by_hop;
 use crate::layer::is_length_limit;
-use crate::problem::problem;
+use crate::problem::ErrorFormat;
 
 /// The peer address of a request, put into its extensions by the server for `X-Forwarded-For`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -235,21 +235,29 @@ impl Service<Request<ProxyBody>> for Upstream {
 
     fn call(&mut self, req: Request<ProxyBody>) -> Self::Future {
         let this = self.clone();
+        // The idempotency layer says how this request's route words errors.
+        let errors = req
+            .extensions()
+            .get::<ErrorFormat>()
+            .copied()
+            .unwrap_or_default();
         Box::pin(async move {
             let req = match this.rewrite(req) {
                 Ok(r) => r,
-                Err(e) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid_request", e)),
+                Err(e) => {
+                    return Ok(errors.response(StatusCode::BAD_REQUEST, "invalid_request", e))
+                }
             };
             let res = match tokio::time::timeout(this.timeout, this.client.request(req)).await {
                 Err(_) => {
-                    return Ok(problem(
+                    return Ok(errors.response(
                         StatusCode::GATEWAY_TIMEOUT,
                         "gateway_timeout",
                         format!("the upstream did not answer within {:?}", this.timeout),
                     ))
                 }
                 Ok(Err(e)) if is_length_limit(&e) => {
-                    return Ok(problem(
+                    return Ok(errors.response(
                         StatusCode::PAYLOAD_TOO_LARGE,
                         "payload_too_large",
                         "the request body exceeds the proxy's limit",
@@ -257,7 +265,7 @@ impl Service<Request<ProxyBody>> for Upstream {
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %chain_text(&e), "upstream request failed");
-                    return Ok(problem(
+                    return Ok(errors.response(
                         StatusCode::BAD_GATEWAY,
                         "bad_gateway",
                         format!("the upstream could not be reached: {}", chain_text(&e)),

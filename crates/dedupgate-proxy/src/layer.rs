@@ -27,7 +27,7 @@ use tower_service::Service;
 use crate::config::IdempotencyConfig;
 use crate::error::ConfigError;
 use crate::key::{caller_scope, fingerprint, idempotency_key, record_key};
-use crate::problem::problem;
+use crate::problem::ErrorFormat;
 use crate::stored::StoredResponse;
 use crate::BoxError;
 
@@ -153,6 +153,13 @@ impl<S> std::fmt::Debug for IdempotencyService<S> {
     }
 }
 
+impl<S> IdempotencyService<S> {
+    /// The configuration in force.
+    pub fn config(&self) -> &IdempotencyConfig {
+        &self.shared.config
+    }
+}
+
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 impl<S, B, RB> Service<Request<B>> for IdempotencyService<S>
@@ -212,6 +219,10 @@ where
     RB::Error: Into<BoxError>,
 {
     let config = &shared.config;
+    let mut req = req;
+    let errors = config.error_format(req.method(), req.uri().path());
+    // The inner service words its own errors (the proxy's 502 and 504) the same way.
+    req.extensions_mut().insert(errors);
     let requirement = config.requirement(req.method(), req.uri().path());
     let required = match requirement {
         None | Some(crate::config::Requirement::Off) => return passthrough(inner, req).await,
@@ -220,7 +231,7 @@ where
     let key = match idempotency_key(req.headers()) {
         Ok(Some(k)) => k,
         Ok(None) if required => {
-            return Ok(problem(
+            return Ok(errors.response(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
                 format!(
@@ -231,7 +242,7 @@ where
             ))
         }
         Ok(None) => return passthrough(inner, req).await,
-        Err(e) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid_request", e)),
+        Err(e) => return Ok(errors.response(StatusCode::BAD_REQUEST, "invalid_request", e)),
     };
 
     let (parts, body) = req.into_parts();
@@ -241,18 +252,18 @@ where
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > config.request_bytes_max) {
-        return Ok(too_large(config.request_bytes_max));
+        return Ok(too_large(errors, config.request_bytes_max));
     }
     let limit = usize::try_from(config.request_bytes_max).unwrap_or(usize::MAX);
     let read_for = Duration::from_millis(config.body_read_timeout_ms);
     let body = match tokio::time::timeout(read_for, Limited::new(body, limit).collect()).await {
-        Err(_) => return Ok(body_too_slow(read_for)),
+        Err(_) => return Ok(body_too_slow(errors, read_for)),
         Ok(Ok(c)) => c.to_bytes(),
         Ok(Err(e)) if is_length_limit(e.as_ref()) => {
-            return Ok(too_large(config.request_bytes_max))
+            return Ok(too_large(errors, config.request_bytes_max))
         }
         Ok(Err(e)) => {
-            return Ok(problem(
+            return Ok(errors.response(
                 StatusCode::BAD_REQUEST,
                 "invalid_request",
                 format!("the request body could not be read: {e}"),
@@ -272,7 +283,7 @@ where
         record_key(&scope, &parts.method, parts.uri.path(), &key),
     ) {
         Ok(id) => id,
-        Err(e) => return Ok(problem(StatusCode::BAD_REQUEST, "invalid_request", e)),
+        Err(e) => return Ok(errors.response(StatusCode::BAD_REQUEST, "invalid_request", e)),
     };
     let fp = fingerprint(&parts.method, path_and_query, &body);
     let req = Request::from_parts(parts, B::from(body));
@@ -283,13 +294,13 @@ where
     let guard = enter(&shared);
     let task = async move {
         let _guard = guard;
-        gated(shared, inner, id, fp, req).await
+        gated(shared, inner, errors, id, fp, req).await
     };
     match tokio::spawn(task).await {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "idempotency task failed");
-            Ok(problem(
+            Ok(errors.response(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
                 "the request task failed; it may or may not have run",
@@ -307,8 +318,8 @@ where
 }
 
 /// 408, and the connection closes: the rest of the body may still be on its way.
-fn body_too_slow<RB: From<Bytes>>(waited: Duration) -> Response<RB> {
-    let mut res = problem(
+fn body_too_slow<RB: From<Bytes>>(errors: ErrorFormat, waited: Duration) -> Response<RB> {
+    let mut res = errors.response(
         StatusCode::REQUEST_TIMEOUT,
         "request_timeout",
         format!("the request body did not arrive within {waited:?}; nothing was claimed"),
@@ -318,8 +329,8 @@ fn body_too_slow<RB: From<Bytes>>(waited: Duration) -> Response<RB> {
     res
 }
 
-fn too_large<RB: From<Bytes>>(max: u64) -> Response<RB> {
-    problem(
+fn too_large<RB: From<Bytes>>(errors: ErrorFormat, max: u64) -> Response<RB> {
+    errors.response(
         StatusCode::PAYLOAD_TOO_LARGE,
         "payload_too_large",
         format!("the request body exceeds {max} bytes"),
@@ -344,6 +355,7 @@ fn aad(id: &RecordId) -> Vec<u8> {
 async fn gated<S, B, RB>(
     shared: Arc<Shared>,
     inner: S,
+    errors: ErrorFormat,
     id: RecordId,
     fp: String,
     req: Request<B>,
@@ -372,7 +384,7 @@ where
         let record = match shared.store.apply(id.clone(), op).await {
             Ok(Outcome::Claimed(Claim::New(lease))) => {
                 let claimed = claim_started.elapsed();
-                return execute(&shared, inner, &id, lease.token, req, claimed).await;
+                return execute(&shared, inner, errors, &id, lease.token, req, claimed).await;
             }
             Ok(Outcome::Claimed(Claim::Duplicate { record })) => record,
             Ok(other) => {
@@ -380,13 +392,13 @@ where
                     outcome = other.label(),
                     "store answered a claim with another outcome"
                 );
-                return Ok(problem(
+                return Ok(errors.response(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "unavailable",
                     "the store gave an unexpected answer",
                 ));
             }
-            Err(e) => return Ok(gate_error(&e)),
+            Err(e) => return Ok(gate_error(errors, &e)),
         };
         match record.state {
             State::Completed => {
@@ -394,7 +406,7 @@ where
                     claim_us = micros(claim_started.elapsed()),
                     "replayed a stored response"
                 );
-                return Ok(replay(&shared, &id, record.result.as_ref()));
+                return Ok(replay(&shared, errors, &id, record.result.as_ref()));
             }
             State::InProgress => {
                 let now = tokio::time::Instant::now();
@@ -404,7 +416,7 @@ where
                         pause_ms = (pause_ms * 2).min(WAIT_POLL_MS_MAX);
                     }
                     _ => {
-                        let mut res: Response<RB> = problem(
+                        let mut res: Response<RB> = errors.response(
                             StatusCode::CONFLICT,
                             "request_in_progress",
                             "a request with this Idempotency-Key is still being processed; retry later",
@@ -419,7 +431,7 @@ where
     }
 }
 
-fn gate_error<RB: From<Bytes>>(e: &GateError) -> Response<RB> {
+fn gate_error<RB: From<Bytes>>(errors: ErrorFormat, e: &GateError) -> Response<RB> {
     let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
     let detail = match e {
         GateError::FingerprintMismatch => {
@@ -431,11 +443,12 @@ fn gate_error<RB: From<Bytes>>(e: &GateError) -> Response<RB> {
     if status.is_server_error() {
         tracing::warn!(error = %e, "store could not decide");
     }
-    problem(status, e.code(), detail)
+    errors.response(status, e.code(), detail)
 }
 
 fn replay<RB: From<Bytes>>(
     shared: &Shared,
+    errors: ErrorFormat,
     id: &RecordId,
     result: Option<&serde_json::Value>,
 ) -> Response<RB> {
@@ -450,7 +463,7 @@ fn replay<RB: From<Bytes>>(
         Err(e) => {
             tracing::error!(error = %e, key = %id.key, "a completed request cannot be replayed");
             // The request did run: never run it again; say why it cannot be shown.
-            problem(
+            errors.response(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "stored_response_unreadable",
                 format!("this request was already processed but its stored response cannot be read: {e}"),
@@ -476,6 +489,7 @@ fn micros(d: Duration) -> u64 {
 async fn execute<S, B, RB>(
     shared: &Shared,
     mut inner: S,
+    errors: ErrorFormat,
     id: &RecordId,
     token: Token,
     req: Request<B>,
@@ -508,7 +522,7 @@ where
                     bytes_max = config.response_bytes_max,
                     "upstream response too large to store"
                 );
-                let p: Response<Bytes> = problem(
+                let p: Response<Bytes> = errors.response(
                     StatusCode::BAD_GATEWAY,
                     "response_too_large",
                     format!(
@@ -557,7 +571,7 @@ where
         Attempt::BodyFailed(e) => {
             release(shared, id, token).await;
             timings("response body broke off; claim released");
-            Ok(problem(
+            Ok(errors.response(
                 StatusCode::BAD_GATEWAY,
                 "bad_gateway",
                 format!("the upstream response broke off: {e}"),
@@ -576,7 +590,7 @@ where
                     // stored is not returned as if it had been: a caller told "done" does not
                     // retry, and a retry after the lease runs out would run the request again.
                     timings("response not stored");
-                    Ok(problem(
+                    Ok(errors.response(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "unavailable",
                         format!(

@@ -12,7 +12,8 @@
 //! - [`ProxyServer`]: the reverse proxy, that layer around [`Upstream`] (a pooled hyper client
 //!   with rustls), behind a [`FramingGuard`](guard::FramingGuard) that refuses smuggling.
 //! - [`IdempotencyConfig`] and [`ConfigFile`]: per-route rules (methods, path patterns,
-//!   required/optional), limits and header policy, from code or TOML.
+//!   required/optional, the [`ErrorFormat`] of the proxy's own errors: problem JSON or
+//!   Stripe's), limits and header policy, from code or TOML.
 //! - [`ProxyBody`]: the proxy's body type (streaming or buffered).
 //! - `sample` (feature): a sample API that counts executions, for tests, examples and benchmarks.
 //!
@@ -52,6 +53,7 @@ pub use config::{parse_duration_ms, ConfigFile, IdempotencyConfig, Requirement, 
 pub use error::{ConfigError, ServeError, StoredError};
 pub use forward::{ClientAddr, Upstream, UpstreamConfig};
 pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use problem::ErrorFormat;
 pub use seal::Sealer;
 pub use server::{ProxyConfig, ProxyServer};
 pub use stored::StoredResponse;

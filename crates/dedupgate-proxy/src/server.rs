@@ -28,7 +28,6 @@ use crate::error::ServeError;
 use crate::forward::{ClientAddr, Upstream, UpstreamConfig};
 use crate::guard::{FramingGuard, AMBIGUOUS_FRAMING};
 use crate::layer::{IdempotencyLayer, IdempotencyService};
-use crate::problem::problem;
 
 /// Everything the proxy server needs.
 #[derive(Clone, Debug)]
@@ -230,8 +229,11 @@ async fn serve_one(
     request_bytes_max: u64,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
+    let errors = service
+        .config()
+        .error_format(req.method(), req.uri().path());
     if req.headers().contains_key(AMBIGUOUS_FRAMING) {
-        let mut res: Response<ProxyBody> = problem(
+        let mut res: Response<ProxyBody> = errors.response(
             StatusCode::BAD_REQUEST,
             "invalid_request",
             "Content-Length and Transfer-Encoding together make the request's length ambiguous (request smuggling); refused",
@@ -243,7 +245,7 @@ async fn serve_one(
     if let Err((status, detail)) = transfer_codings_ok(req.headers()) {
         // hyper undoes one `chunked` only: forwarded without its Transfer-Encoding header, a
         // body still under another coding would reach the upstream as if it were plain bytes.
-        let mut res: Response<ProxyBody> = problem(status, "invalid_request", detail);
+        let mut res: Response<ProxyBody> = errors.response(status, "invalid_request", detail);
         res.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
         return Ok(res);
@@ -254,7 +256,7 @@ async fn serve_one(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if let Some(declared) = declared.filter(|&n| n > request_bytes_max) {
-        let mut res: Response<ProxyBody> = problem(
+        let mut res: Response<ProxyBody> = errors.response(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
             format!("the request body exceeds {request_bytes_max} bytes"),

@@ -52,6 +52,12 @@ pub struct ProxyArgs {
     /// response, instead of answering 409 at once.
     #[arg(long, env = "DEDUPGATE_PROXY_WAIT")]
     wait: Option<String>,
+    /// How the proxy words the errors it answers itself: problem (RFC 9457 problem JSON) or
+    /// stripe (Stripe's error object and statuses, which Stripe's SDKs parse); a route of the
+    /// config file may say otherwise [default: problem].
+    #[arg(long, env = "DEDUPGATE_PROXY_ERRORS", value_name = "FORMAT",
+          value_parser = ["problem", "stripe"])]
+    errors: Option<String>,
     /// Require an Idempotency-Key on the default routes (POST and PATCH everywhere).
     #[arg(long, env = "DEDUPGATE_PROXY_REQUIRE_KEY")]
     require_key: bool,
@@ -141,6 +147,9 @@ fn resolve(args: ProxyArgs) -> anyhow::Result<Resolved> {
     }
     if let Some(t) = &args.wait {
         c.wait_ms = Some(duration("--wait", t)?);
+    }
+    if let Some(e) = &args.errors {
+        c.errors = e.parse().map_err(|e| anyhow::anyhow!("--errors: {e}"))?;
     }
     if let Some(h) = &args.scope_header {
         c.scope_header = header("--scope-header", h)?;
