@@ -376,3 +376,68 @@ fn rejects_over_an_input_is_refused() {
         }
     }
 }
+
+#[test]
+fn reconciling_lists_the_keys_missing_from_the_destination() {
+    let dir = tempfile::tempdir().unwrap();
+    // Orders 1..=12 at the source, only 1 and 2 in the destination: 10 missing.
+    let spec: Vec<(u32, u32)> = (1..=12).map(|o| (o, 0)).collect();
+    let source = write(dir.path(), "src.jsonl", &rows(&spec));
+    let dest = write(dir.path(), "dst.jsonl", &rows(&spec[..2]));
+    let audit = |extra: &[&str]| {
+        dg().args(["audit", "--key-fields", "order"])
+            .args(extra)
+            .arg("--against")
+            .arg(&source)
+            .arg(&dest)
+            .output()
+            .unwrap()
+    };
+    let o = audit(&["--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!(v["against"]["keys_missing_from_destination"], 10);
+    let missing: Vec<String> = v["against"]["keys_missing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            assert_eq!(m["source"], 1);
+            m["key"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let mut expected: Vec<String> = (3..=12).map(|o| format!("{{\"order\": {o}}}")).collect();
+    expected.sort();
+    assert_eq!(missing, expected, "every missing key, by key");
+    // The table lists --top of them and counts the rest.
+    let o = audit(&["--top", "4"]);
+    let table = out(&o);
+    assert!(table.contains("missing from the destination"), "{table}");
+    let listed = expected
+        .iter()
+        .filter(|k| table.contains(k.as_str()))
+        .count();
+    assert_eq!(listed, 4, "{table}");
+    assert!(table.contains("and 6 more"), "{table}");
+}
+
+#[test]
+fn windows_without_a_source_are_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let dest = write(dir.path(), "dst.jsonl", &rows(&[(1, 0), (1, 0)]));
+    let o = dg()
+        .args([
+            "audit",
+            "--key-fields",
+            "order",
+            "--window-field",
+            "ts",
+            "--window",
+            "1h",
+        ])
+        .arg(&dest)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", out(&o));
+    assert!(err(&o).contains("--against"), "{}", err(&o));
+}

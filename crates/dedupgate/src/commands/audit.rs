@@ -52,26 +52,29 @@ pub struct AuditArgs {
     #[arg(long, value_name = "NAME", requires = "postgres")]
     table: Option<String>,
     /// The source the destination is reconciled with: a file (repeat for more).
-    #[arg(long, value_name = "SOURCE")]
+    #[arg(long, value_name = "SOURCE", group = "source")]
     against: Vec<PathBuf>,
     /// The source as SQL on --postgres.
     #[arg(
         long,
         value_name = "SQL",
         requires = "postgres",
-        conflicts_with = "against"
+        conflicts_with = "against",
+        group = "source"
     )]
     against_query: Option<String>,
     /// The source as a table on --postgres.
-    #[arg(long, value_name = "NAME", requires = "postgres", conflicts_with_all = ["against", "against_query"])]
+    #[arg(long, value_name = "NAME", requires = "postgres", conflicts_with_all = ["against", "against_query"], group = "source")]
     against_table: Option<String>,
-    /// Field holding each record's time (RFC 3339 or epoch seconds/ms), for per-window counts.
-    #[arg(long, value_name = "FIELD", requires = "window")]
+    /// Field holding each record's time (RFC 3339 or epoch seconds/ms), for per-window counts
+    /// of a reconciliation (needs --against, --against-query or --against-table).
+    #[arg(long, value_name = "FIELD", requires_all = ["window", "source"])]
     window_field: Option<String>,
     /// Window length for per-window counts (e.g. 1h).
     #[arg(long, value_name = "D", requires = "window_field")]
     window: Option<String>,
-    /// How many duplicated keys (or keys over the source) to list.
+    /// How many duplicated keys (or keys over the source, or missing from the destination) the
+    /// table lists; --json lists every missing key.
     #[arg(long, default_value_t = 10, value_name = "N")]
     top: usize,
     /// Print the report as JSON.
@@ -357,9 +360,12 @@ struct Report {
     /// Keys whose destination count exceeds the source's: (key, destination, source).
     keys_over: Vec<(String, u64, u64)>,
     keys_over_count: u64,
-    keys_missing: u64,
+    /// Keys of the source with no row in the destination: (key, source count), by key.
+    keys_missing: Vec<(String, u64)>,
     /// Windows whose destination count exceeds the source's: (start ms, destination, source).
     windows_over: Vec<(i64, u64, u64)>,
+    /// `--top`: how many keys a list of the table shows.
+    top_max: usize,
 }
 
 impl Report {
@@ -378,8 +384,9 @@ impl Report {
             reconciling: source.is_some(),
             keys_over: Vec::new(),
             keys_over_count: 0,
-            keys_missing: 0,
+            keys_missing: Vec::new(),
             windows_over: Vec::new(),
+            top_max: top,
         };
         if let Some(src) = source {
             for (k, d) in &dest.keys {
@@ -391,9 +398,11 @@ impl Report {
             }
             report.keys_missing = src
                 .keys
-                .keys()
-                .filter(|k| !dest.keys.contains_key(*k))
-                .count() as u64;
+                .iter()
+                .filter(|(k, _)| !dest.keys.contains_key(*k))
+                .map(|(k, c)| (k.clone(), *c))
+                .collect();
+            report.keys_missing.sort();
             report
                 .keys_over
                 .sort_by(|a, b| (b.1 - b.2).cmp(&(a.1 - a.2)).then_with(|| a.0.cmp(&b.0)));
@@ -438,7 +447,8 @@ impl Report {
                 "source_distinct_keys": src.keys.len(),
                 "source_rejected": src.rejected,
                 "keys_over_source": self.keys_over_count,
-                "keys_missing_from_destination": self.keys_missing,
+                "keys_missing_from_destination": self.keys_missing.len(),
+                "keys_missing": self.keys_missing.iter().map(|(k, s)| json!({"key": k, "source": s})).collect::<Vec<_>>(),
                 "keys_over": self.keys_over.iter().map(|(k, d, s)| json!({"key": k, "destination": d, "source": s})).collect::<Vec<_>>(),
                 "window_field": window.as_ref().map(|w| w.0.clone()),
                 "window_ms": window.as_ref().map(|w| w.1),
@@ -480,7 +490,11 @@ impl Report {
                 writeln!(out, "  rejected: {s}")?;
             }
             writeln!(out, "keys over source         {:>12}", self.keys_over_count)?;
-            writeln!(out, "keys missing from dest.  {:>12}", self.keys_missing)?;
+            writeln!(
+                out,
+                "keys missing from dest.  {:>12}",
+                self.keys_missing.len()
+            )?;
             if !self.keys_over.is_empty() {
                 writeln!(
                     out,
@@ -489,6 +503,20 @@ impl Report {
                 writeln!(out, "{:>10}  {:>10}  key", "dest", "source")?;
                 for (k, d, s) in &self.keys_over {
                     writeln!(out, "{d:>10}  {s:>10}  {k}")?;
+                }
+            }
+            if !self.keys_missing.is_empty() {
+                writeln!(out, "\nkeys of the source missing from the destination:")?;
+                writeln!(out, "{:>10}  key", "source")?;
+                for (k, s) in self.keys_missing.iter().take(self.top_max) {
+                    writeln!(out, "{s:>10}  {k}")?;
+                }
+                let rest = self.keys_missing.len().saturating_sub(self.top_max);
+                if rest > 0 {
+                    writeln!(
+                        out,
+                        "  … and {rest} more (--top N lists more; --json lists all)"
+                    )?;
                 }
             }
             if let Some((field, _)) = window {
