@@ -795,11 +795,11 @@ BEGIN
 END
 $$;
 
--- A batch: one call, one transaction, one commit. Ops run in array order, each through the same
--- function as a single op (each reading the clock once it holds its row), so a later op sees an
--- earlier one, once the batch holds the rows of its keys, taken in key order; a batch of claims
--- only (or marks only), all of distinct keys, goes set-based through dedupgate_claim_distinct
--- (or dedupgate_mark_distinct). p_kind: 1 claim, 2 mark, 3 complete, 4 release, 5 extend,
+-- A batch: one call, one transaction, one commit. Ops run one by one, each through the same
+-- function as a single op (each reading the clock once it holds its row), the keys in
+-- (namespace, key) order and the ops of one key in array order, so a later op sees an earlier
+-- one; a batch of claims only (or marks only), all of distinct keys, goes set-based through
+-- dedupgate_claim_distinct (or dedupgate_mark_distinct). p_kind: 1 claim, 2 mark, 3 complete, 4 release, 5 extend,
 -- 6 get, 7 forget. Unused fields of an op are NULL.
 CREATE FUNCTION {s}.dedupgate_apply_batch(p_kind smallint[], p_ns bytea[], p_key bytea[],
                                           p_ttl_ms bigint[], p_lease_ms bigint[], p_fp bytea[],
@@ -807,7 +807,9 @@ CREATE FUNCTION {s}.dedupgate_apply_batch(p_kind smallint[], p_ns bytea[], p_key
 RETURNS SETOF {s}.dedupgate_answer
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    n integer := coalesce(array_length(p_kind, 1), 0);
+    n       integer := coalesce(array_length(p_kind, 1), 0);
+    i       integer;
+    answers {s}.dedupgate_answer[] := '{}';
 BEGIN
     IF n > 1 AND (p_kind <@ ARRAY[1]::smallint[] OR p_kind <@ ARRAY[2]::smallint[])
        AND (SELECT count(*) FROM (SELECT DISTINCT ns, key FROM unnest(p_ns, p_key) AS u(ns, key)) d) = n
@@ -822,30 +824,13 @@ BEGIN
         END IF;
         RETURN;
     END IF;
-    IF n > 1 THEN
-        -- Before any op, take every row the batch may write, in (namespace, key) order, as
-        -- dedupgate_claim_distinct does: the ops in array order would each lock their row (or
-        -- wait for another transaction's insert of it) as they come, so two batches over the
-        -- same keys in different orders deadlocked. A key of a claim or mark that has no row
-        -- gets a dead one (released, expired, fence 1: absent for every answer, and its fence
-        -- below any the op may give), which the op then takes over exactly as it would insert;
-        -- a claim or mark of a dead row always takes it, so none is left at commit. The ops
-        -- then wait for nothing another batch holds. Gets lock nothing.
-        INSERT INTO {s}.dedupgate_records
-            (namespace, key, state, fence, created_at_ms, expires_at_ms)
-        SELECT u.ns, u.key, 2, 1, 0, 0
-        FROM (SELECT DISTINCT u.ns, u.key FROM unnest(p_kind, p_ns, p_key) AS u(kind, ns, key)
-              WHERE u.kind IN (1, 2) ORDER BY u.ns, u.key OFFSET 0) AS u
-        ON CONFLICT (namespace, key) DO NOTHING;
-        PERFORM 1 FROM {s}.dedupgate_records AS e
-        WHERE (e.namespace, e.key) IN (SELECT u.ns, u.key
-                                       FROM unnest(p_kind, p_ns, p_key) AS u(kind, ns, key)
-                                       WHERE u.kind <> 6)
-        ORDER BY e.namespace, e.key
-        FOR UPDATE OF e;
-    END IF;
-    FOR i IN 1 .. n LOOP
-        RETURN NEXT CASE p_kind[i]
+    -- The ops in (namespace, key) order, those of one key in array order, and the answers in
+    -- array order: each op locks its row (or waits for another transaction's insert of it) as
+    -- it comes, and in array order two batches over the same keys in different orders
+    -- deadlocked. Ops on different keys never see each other, so the answers are the same.
+    FOR i IN SELECT u.i FROM unnest(p_ns, p_key) WITH ORDINALITY AS u(ns, key, i)
+             ORDER BY u.ns, u.key, u.i LOOP
+        answers[i] := CASE p_kind[i]
             WHEN 1 THEN {s}.dedupgate_claim(p_ns[i], p_key[i], p_ttl_ms[i], p_lease_ms[i], p_fp[i],
                                            p_owner[i], p_token[i])
             WHEN 2 THEN {s}.dedupgate_mark(p_ns[i], p_key[i], p_ttl_ms[i], p_fp[i], p_result[i])
@@ -857,6 +842,7 @@ BEGIN
             WHEN 7 THEN {s}.dedupgate_forget(p_ns[i], p_key[i])
         END;
     END LOOP;
+    RETURN QUERY SELECT * FROM unnest(answers);
 END
 $$;
 
