@@ -383,9 +383,7 @@ impl AppState {
         }
     }
 
-    async fn record<B>(&self, kind: OpKind, request: axum::http::Request<B>) -> Response {
-        // Only the head is used; the body (not Sync) must not live across the store call.
-        let (parts, _) = request.into_parts();
+    async fn record(&self, kind: OpKind, parts: axum::http::request::Parts) -> Response {
         let answer = async {
             let principal = self.auth.authenticate(self.authorization(&parts.headers))?;
             let q = wire::record_query(parts.uri.query())?;
@@ -629,8 +627,13 @@ impl AppState {
                         .await
                     }
                     Endpoint::Record(kind) => {
-                        self.guarded(path, started, Box::pin(self.record(kind, request)))
-                            .await
+                        Box::pin(async move {
+                            let (parts, body) = request.into_parts();
+                            let whole = self.skip_body(body).await;
+                            let answer = self.guarded(path, started, self.record(kind, parts));
+                            close_unless(whole, answer.await)
+                        })
+                        .await
                     }
                     Endpoint::Batch => {
                         Box::pin(async move {
@@ -644,7 +647,11 @@ impl AppState {
                         })
                         .await
                     }
-                    Endpoint::Health => self.guarded(path, started, Box::pin(self.health())).await,
+                    Endpoint::Health => {
+                        let whole = self.skip_body(request.into_body()).await;
+                        let answer = self.guarded(path, started, Box::pin(self.health()));
+                        close_unless(whole, answer.await)
+                    }
                     Endpoint::Metrics => {
                         let format = Exposition::negotiate(
                             request
@@ -652,12 +659,15 @@ impl AppState {
                                 .get(header::ACCEPT)
                                 .map(HeaderValue::as_bytes),
                         );
-                        self.guarded(path, started, Box::pin(self.metrics_text(format)))
-                            .await
+                        let whole = self.skip_body(request.into_body()).await;
+                        let answer =
+                            self.guarded(path, started, Box::pin(self.metrics_text(format)));
+                        close_unless(whole, answer.await)
                     }
                 }
             }
             Dispatch::WrongMethod(path) => {
+                let whole = self.skip_body(request.into_body()).await;
                 let mut response = self
                     .guarded(
                         path,
@@ -671,21 +681,68 @@ impl AppState {
                 response
                     .headers_mut()
                     .insert(header::ALLOW, allow_header(path));
-                response
+                close_unless(whole, response)
             }
             Dispatch::NoRoute => {
-                self.guarded(
-                    "other",
-                    Instant::now(),
-                    Box::pin(async { Problem::no_such_route("no such route").into_response() }),
-                )
-                .await
+                let whole = self.skip_body(request.into_body()).await;
+                let response = self
+                    .guarded(
+                        "other",
+                        Instant::now(),
+                        Box::pin(async { Problem::no_such_route("no such route").into_response() }),
+                    )
+                    .await;
+                close_unless(whole, response)
             }
         }
     }
 }
 
+/// Marks `response` as the connection's last unless the request's body was read whole.
+fn close_unless(whole: bool, mut response: Response) -> Response {
+    if !whole {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
 impl AppState {
+    /// Reads and drops the body of a request whose route takes none (a record query, a probe,
+    /// a wrong method or path), up to `body_bytes_max` and within the request timeout; false
+    /// when it was not read whole. Left unread, hyper closes the connection after the answer
+    /// without saying so, and a client that sends its next request on it sees the connection
+    /// drop with no answer (found by schemathesis: `PUT /v1/extend` with a JSON body).
+    async fn skip_body<B>(&self, body: B) -> bool
+    where
+        B: HttpBody<Data = Bytes> + Send + 'static,
+    {
+        if body.is_end_stream() {
+            return true;
+        }
+        let limit = self.config.limits.body_bytes_max as u64;
+        if body.size_hint().lower() > limit {
+            return false;
+        }
+        let mut body = Box::pin(body);
+        let read = async {
+            let mut received = 0u64;
+            while let Some(frame) = body.frame().await {
+                let Ok(frame) = frame else { return false };
+                if let Ok(data) = frame.into_data() {
+                    received += data.len() as u64;
+                    if received > limit {
+                        return false;
+                    }
+                }
+            }
+            true
+        };
+        let timeout = Duration::from_millis(self.config.limits.request_timeout_ms);
+        tokio::time::timeout(timeout, read).await.unwrap_or(false)
+    }
+
     /// What every request goes through, around its handler (a request's body has been read
     /// before, by [`AppState::receive`]): the in-flight cap (503 with Retry-After beyond it),
     /// the request timeout, the in-flight gauge, the latency histogram and the error counter.
