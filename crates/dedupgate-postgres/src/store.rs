@@ -274,6 +274,47 @@ fn unavailable(e: tokio_postgres::Error) -> GateError {
     GateError::Store(StoreError::Unavailable(describe_pg(&e)))
 }
 
+/// A pooled connection with a statement of ours in flight. Dropped before [`Busy::finish`] (a
+/// timeout gave up on the statement), it takes the connection out of the pool and asks the
+/// server to cancel the statement: left running, a statement waiting for rows goes on holding
+/// the rows it took, and the next op given the connection would queue behind it (or, with the
+/// connection back in the pool, be the one cancelled).
+struct Busy(Option<deadpool_postgres::Object>);
+
+impl Busy {
+    /// The statement is over: the connection goes back to the pool.
+    fn finish(mut self) {
+        self.0.take();
+    }
+}
+
+impl std::ops::Deref for Busy {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &Self::Target {
+        self.0
+            .as_ref()
+            .expect("a Busy holds its connection until finish")
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let Some(client) = self.0.take() else {
+            return;
+        };
+        let client = deadpool_postgres::Object::take(client);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(e) = client.cancel_token().cancel_query(NoTls).await {
+                    tracing::debug!(error = %describe_pg(&e), "postgres: cancelling a timed-out statement failed");
+                }
+                drop(client);
+            });
+        }
+    }
+}
+
 /// The PostgreSQL store. Cheap to share behind an `Arc`; every operation borrows a pooled
 /// connection for one call.
 pub struct PgStore {
@@ -409,12 +450,14 @@ impl PgStore {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let client = self.client().await?;
+            let client = Busy(Some(self.client().await?));
             let stmt = client
                 .prepare_typed_cached(self.sql.call(kind), &types)
                 .await
                 .map_err(unavailable)?;
-            match client.query_one(&stmt, &refs).await {
+            let answer = client.query_one(&stmt, &refs).await;
+            client.finish();
+            match answer {
                 Ok(row) => return Answer::from_row(row)?.outcome(kind, id),
                 Err(e) if is_retryable(&e) && attempt < RETRIES_MAX => continue,
                 Err(e) => return Err(unavailable(e)),
@@ -588,12 +631,14 @@ impl PgStore {
         let mut attempt = 0;
         let rows = loop {
             attempt += 1;
-            let client = self.client().await?;
+            let client = Busy(Some(self.client().await?));
             let stmt = client
                 .prepare_cached(&self.sql.batch)
                 .await
                 .map_err(unavailable)?;
-            match client.query(&stmt, &params).await {
+            let answer = client.query(&stmt, &params).await;
+            client.finish();
+            match answer {
                 Ok(rows) => break rows,
                 Err(e) if is_retryable(&e) && attempt < RETRIES_MAX => continue,
                 Err(e) => return Err(unavailable(e)),
