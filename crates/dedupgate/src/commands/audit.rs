@@ -19,7 +19,10 @@ use serde_json::json;
 use super::pipeline::input::{check_inputs, check_outputs, Format, Input, Output};
 use super::pipeline::keyspec::{KeyArgs, KeySpec, Scratch};
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{now_ms, runtime, usage, Rejects};
+use super::pipeline::{
+    check_interrupt, input, interrupt_flag, now_ms, progress, runtime, summary, usage, Interrupted,
+    Rejects, EXIT_INTERRUPTED, PROGRESS_EVERY_LINES,
+};
 use super::{ClosedAware, OutputClosed};
 
 /// Rejected records shown as examples in the report.
@@ -83,6 +86,17 @@ pub struct AuditArgs {
     /// Also write every rejected record here (JSON Lines).
     #[arg(long, value_name = "FILE")]
     rejects: Option<PathBuf>,
+    /// No progress bar and no summary line.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+/// What the audit read, for its summary line: every record read is counted or rejected.
+#[derive(Default)]
+struct Seen {
+    read: u64,
+    counted: u64,
+    rejected: u64,
 }
 
 /// Counts of one side.
@@ -97,8 +111,34 @@ struct Tally {
 
 /// Runs `dedupgate audit`.
 pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
-    match audit(args) {
+    let started = std::time::Instant::now();
+    let quiet = args.quiet;
+    let mut seen = Seen::default();
+    let mut read_any = false;
+    let result = audit(args, &mut seen, &mut read_any);
+    // No summary before the inputs were read, nor after the report's reader closed stdout.
+    if !quiet && read_any {
+        eprintln!(
+            "{}",
+            summary(
+                "audit",
+                result.is_err(),
+                seen.read,
+                &[("counted", seen.counted), ("rejected", seen.rejected)],
+                &[(
+                    "not counted",
+                    seen.read.saturating_sub(seen.counted + seen.rejected),
+                )],
+                started,
+            )
+        );
+    }
+    match result {
         Ok(code) => Ok(code),
+        Err(e) if e.downcast_ref::<Interrupted>().is_some() => {
+            eprintln!("dedupgate audit: {e}");
+            Ok(ExitCode::from(EXIT_INTERRUPTED))
+        }
         Err(e) => {
             // Any failure, not only a usage error: exit 1 means duplicates were found.
             eprintln!("dedupgate audit: {e:#}");
@@ -107,7 +147,7 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+fn audit(args: AuditArgs, seen: &mut Seen, read_any: &mut bool) -> anyhow::Result<ExitCode> {
     let spec = args.key.spec()?;
     let window = match (&args.window_field, &args.window) {
         (Some(f), Some(w)) => Some((f.clone(), parse_duration_ms(w).context("--window")?)),
@@ -191,17 +231,19 @@ fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     };
 
     let mut rejects = Rejects::open(args.rejects.as_deref())?;
-    let dest = tally(
-        &spec,
-        dest_format,
-        dest_inputs,
-        window.as_ref(),
-        &mut rejects,
-    )?;
+    let interrupted = interrupt_flag();
+    *read_any = true;
+    let mut reading = Reading {
+        spec: &spec,
+        window: window.as_ref(),
+        rejects: &mut rejects,
+        seen,
+        quiet: args.quiet,
+        interrupted: &interrupted,
+    };
+    let dest = reading.tally(dest_format, dest_inputs)?;
     let source = match source_inputs {
-        Some((inputs, format)) => {
-            Some(tally(&spec, format, inputs, window.as_ref(), &mut rejects)?)
-        }
+        Some((inputs, format)) => Some(reading.tally(format, inputs)?),
         None => None,
     };
     rejects.finish()?;
@@ -218,7 +260,9 @@ fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     };
     match written.and_then(|()| out.flush()) {
         // A reader that closed stdout (`| head`) does not change the verdict.
-        Err(e) if e.get_ref().is_some_and(|i| i.is::<OutputClosed>()) => {}
+        Err(e) if e.get_ref().is_some_and(|i| i.is::<OutputClosed>()) => {
+            *read_any = false;
+        }
         other => other.context("writing the report")?,
     }
     Ok(if report.found_problem() {
@@ -293,18 +337,65 @@ async fn fetch_pg(url: &str, sql: &str) -> anyhow::Result<tempfile::TempPath> {
     Ok(file.into_temp_path())
 }
 
+/// What reading a side needs, and the counts both sides add to.
+struct Reading<'a> {
+    spec: &'a KeySpec,
+    window: Option<&'a (String, u64)>,
+    rejects: &'a mut Rejects,
+    seen: &'a mut Seen,
+    quiet: bool,
+    /// Set by SIGINT: the audit stops between records.
+    interrupted: &'a std::sync::atomic::AtomicBool,
+}
+
+impl Reading<'_> {
+    /// Counts one side's records (with a progress bar on a terminal).
+    fn tally(&mut self, format: Format, inputs: Vec<Input>) -> anyhow::Result<Tally> {
+        let bar = progress(input::total_bytes(&inputs), self.quiet);
+        let (before_counted, before_rejected) = (self.seen.counted, self.seen.rejected);
+        let mut read = 0u64;
+        let result = tally(
+            self.spec,
+            format,
+            inputs,
+            self.window,
+            self.rejects,
+            |records: &Records| {
+                read += 1;
+                if read % PROGRESS_EVERY_LINES == 0 {
+                    bar.set_position(records.bytes_read());
+                }
+                check_interrupt(self.interrupted)
+            },
+        );
+        bar.finish_and_clear();
+        // Counted from the tally when it finished; from the records read when it stopped.
+        match &result {
+            Ok(t) => {
+                self.seen.counted = before_counted + t.rows;
+                self.seen.rejected = before_rejected + t.rejected;
+                self.seen.read += t.rows + t.rejected;
+            }
+            Err(_) => self.seen.read += read,
+        }
+        result
+    }
+}
+
 fn tally(
     spec: &KeySpec,
     format: Format,
     inputs: Vec<Input>,
     window: Option<&(String, u64)>,
     rejects: &mut Rejects,
+    mut tick: impl FnMut(&Records) -> anyhow::Result<()>,
 ) -> anyhow::Result<Tally> {
     let mut t = Tally::default();
     let mut records = Records::open(format, inputs);
     let mut scratch = Scratch::default();
     let now = now_ms();
     while let Some(keyed) = records.next(spec, now, &mut scratch)? {
+        tick(&records)?;
         let mut reject = |pos: &super::pipeline::input::Position,
                           reason: &str,
                           value: serde_json::Value,

@@ -34,7 +34,8 @@ use super::pipeline::keyspec::{short, KeyArgs, KeySpec, Prehashed, Scratch};
 use super::pipeline::parallel::for_each_keyed_chunk;
 use super::pipeline::records::{Keyed, Records};
 use super::pipeline::{
-    line_value, now_ms, progress, report_failure, usage, Rejects, PROGRESS_EVERY_LINES,
+    check_interrupt, interrupt_flag, line_value, now_ms, progress, report_failure, summary, usage,
+    Rejects, PROGRESS_EVERY_LINES,
 };
 use dedupgate_embedded::EmbeddedOptions;
 use dedupgate_stores::StoreSpec;
@@ -204,7 +205,9 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
         Keep::Last => input::spool_stdin(inputs)?,
     };
     let bar = progress(input::total_bytes(&inputs), args.quiet);
+    let interrupted = interrupt_flag();
     let mut job = Job {
+        interrupted: &interrupted,
         spec: &spec,
         format,
         emit_id: args.emit_id.as_deref(),
@@ -253,14 +256,24 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
     let counts = std::mem::take(&mut job.counts);
     let summary = |how: &str, rejected: u64| {
         if !args.quiet {
-            eprintln!(
-                "dedupgate dedup: {how}read {}, emitted {}, duplicates {}, rejected {} ({:.2}s)",
+            // Records read but neither written, dropped nor rejected: those of the batch not
+            // yet sent or given back when a run stopped. Zero in a finished run.
+            let not_emitted = counts
+                .read
+                .saturating_sub(counts.emitted + counts.duplicates + rejected);
+            let line = summary(
+                "dedup",
+                !how.is_empty(),
                 counts.read,
-                counts.emitted,
-                counts.duplicates,
-                rejected,
-                started.elapsed().as_secs_f64()
+                &[
+                    ("emitted", counts.emitted),
+                    ("duplicates", counts.duplicates),
+                    ("rejected", rejected),
+                ],
+                &[("in flight, not emitted", not_emitted)],
+                started,
             );
+            eprintln!("{line}");
         }
     };
     if let Err(e) = result {
@@ -282,6 +295,8 @@ fn dedup(args: DedupArgs) -> anyhow::Result<ExitCode> {
 }
 
 struct Job<'a> {
+    /// Set by SIGINT: the run stops between records.
+    interrupted: &'a std::sync::atomic::AtomicBool,
     spec: &'a KeySpec,
     format: Format,
     emit_id: Option<&'a str>,
@@ -292,10 +307,11 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    fn tick(&self, records: &Records) {
+    fn tick(&self, records: &Records) -> anyhow::Result<()> {
         if self.counts.read % PROGRESS_EVERY_LINES == 0 {
             self.bar.set_position(records.bytes_read());
         }
+        check_interrupt(self.interrupted)
     }
 
     /// Keep first, no ledger, JSON Lines: keys computed on a second thread, in memory here.
@@ -309,7 +325,9 @@ impl Job<'_> {
         let mut sized = false;
         let (counts, rejects, bar, emit_id) =
             (&mut self.counts, &mut *self.rejects, self.bar, self.emit_id);
+        let interrupted = self.interrupted;
         for_each_keyed_chunk(inputs, self.spec, self.now_ms, |kc| {
+            check_interrupt(interrupted)?;
             if !sized {
                 // Room for half the estimated lines as distinct keys: one growth at most
                 // when fewer than half are duplicates.
@@ -352,7 +370,9 @@ impl Job<'_> {
         let (counts, rejects, bar, emit_id) =
             (&mut self.counts, &mut *self.rejects, self.bar, self.emit_id);
         let spec = self.spec;
+        let interrupted = self.interrupted;
         for_each_keyed_chunk(inputs, self.spec, self.now_ms, |kc| {
+            check_interrupt(interrupted)?;
             for line in &kc.lines {
                 counts.read += 1;
                 let bytes = &kc.chunk.data[line.span.clone()];
@@ -394,7 +414,7 @@ impl Job<'_> {
         let mut header_done = false;
         while let Some(keyed) = records.next(self.spec, self.now_ms, &mut scratch)? {
             self.counts.read += 1;
-            self.tick(&records);
+            self.tick(&records)?;
             if !header_done {
                 records.write_header(self.emit_id, out)?;
                 header_done = true;
@@ -439,7 +459,7 @@ impl Job<'_> {
         let mut header_done = false;
         while let Some(keyed) = records.next(self.spec, self.now_ms, &mut scratch)? {
             self.counts.read += 1;
-            self.tick(&records);
+            self.tick(&records)?;
             if !header_done {
                 records.write_header(self.emit_id, out)?;
                 header_done = true;
@@ -507,7 +527,7 @@ impl Job<'_> {
         let mut index = 0u64;
         while let Some(keyed) = records.next(self.spec, self.now_ms, &mut scratch)? {
             self.counts.read += 1;
-            self.tick(&records);
+            self.tick(&records)?;
             match keyed {
                 Keyed::Rejected(pos, reason, value) => {
                     self.rejects.reject(&pos, &reason.0, value)?
@@ -522,6 +542,7 @@ impl Job<'_> {
         let mut index = 0u64;
         let mut header_done = false;
         while let Some(keyed) = records.next(self.spec, self.now_ms, &mut scratch)? {
+            check_interrupt(self.interrupted)?;
             if !header_done {
                 records.write_header(self.emit_id, out)?;
                 header_done = true;

@@ -35,7 +35,8 @@ Exit status:
   1      failed: a bad record without --rejects, a missing or unreadable input, I/O, the
          ledger
   2      usage error: no key option or a bad one, mixed formats without --format, a bad
-         --namespace/--ledger/--ttl, an output naming an input";
+         --namespace/--ledger/--ttl, an output naming an input
+  130    stopped by SIGINT (Ctrl-C) after writing and recording what it had read";
 
 /// `id`.
 pub const ID: &str = "\
@@ -44,14 +45,16 @@ Exit status:
   1      failed: a record without a key field and no --rejects, a missing or unreadable
          input, I/O
   2      usage error: a bad --key-fields, mixed formats without --format, an output naming
-         an input";
+         an input
+  130    stopped by SIGINT (Ctrl-C)";
 
 /// `audit`.
 pub const AUDIT: &str = "\
 Exit status:
   0      no duplicates (with --against: nothing over the source)
   1      duplicates found (with --against: keys or windows over the source)
-  2      the audit could not be done: bad flags, an unreadable input, a database error";
+  2      the audit could not be done: bad flags, an unreadable input, a database error
+  130    stopped by SIGINT (Ctrl-C)";
 
 /// `claim` and `mark`.
 pub const CLAIM: &str = "\
@@ -108,6 +111,9 @@ mod tests {
         }
         assert!(has(CLAIM, api::EXIT_DUPLICATE));
         assert!(!has(API, api::EXIT_DUPLICATE) && !has(GET, api::EXIT_DUPLICATE));
+        for help in [DEDUP, ID, AUDIT] {
+            assert!(has(help, crate::commands::pipeline::EXIT_INTERRUPTED));
+        }
         for help in [SERVE, BENCH, RUN, DEDUP, ID, AUDIT, CLAIM, API, GET] {
             assert!(has(help, 2), "every command has clap's usage code");
         }

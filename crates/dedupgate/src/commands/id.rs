@@ -14,7 +14,10 @@ use anyhow::Context;
 use super::pipeline::input::{self, check_inputs, check_outputs, Format, Input, Output};
 use super::pipeline::keyspec::{key_fields, KeySpec, Scratch};
 use super::pipeline::records::{Keyed, Records};
-use super::pipeline::{now_ms, progress, report_failure, usage, Rejects, PROGRESS_EVERY_LINES};
+use super::pipeline::{
+    check_interrupt, interrupt_flag, now_ms, progress, report_failure, summary, usage, Rejects,
+    PROGRESS_EVERY_LINES,
+};
 
 /// Flags of `dedupgate id`.
 #[derive(clap::Args, Debug)]
@@ -40,7 +43,7 @@ pub struct IdArgs {
     /// the run.
     #[arg(long, value_name = "FILE")]
     rejects: Option<PathBuf>,
-    /// No progress bar.
+    /// No progress bar and no summary line.
     #[arg(short, long)]
     quiet: bool,
 }
@@ -51,6 +54,7 @@ pub fn run(args: IdArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn id(args: IdArgs) -> anyhow::Result<ExitCode> {
+    let started = std::time::Instant::now();
     let spec = KeySpec::Fields(key_fields(&args.key_fields)?);
     let inputs = Input::from_args(&args.inputs);
     if inputs.iter().filter(|i| **i == Input::Stdin).count() > 1 {
@@ -67,41 +71,74 @@ fn id(args: IdArgs) -> anyhow::Result<ExitCode> {
     check_inputs(&inputs)?;
     let mut rejects = Rejects::open(args.rejects.as_deref())?;
     let bar = progress(input::total_bytes(&inputs), args.quiet);
+    let interrupted = interrupt_flag();
     let mut out = input::open_output(args.output.as_deref())?;
     let mut records = Records::open(format, inputs);
     let mut scratch = Scratch::default();
     let now = now_ms();
-    let mut read = 0u64;
+    let (mut read, mut written) = (0u64, 0u64);
     let mut header_done = args.print;
     let mut hex = String::with_capacity(64);
-    while let Some(keyed) = records.next(&spec, now, &mut scratch)? {
-        read += 1;
-        if read % PROGRESS_EVERY_LINES == 0 {
-            bar.set_position(records.bytes_read());
-        }
-        if !header_done {
-            records.write_header(Some(&args.emit_id), &mut *out)?;
-            header_done = true;
-        }
-        match keyed {
-            Keyed::Rejected(pos, reason, value) => rejects.reject(&pos, &reason.0, value)?,
-            Keyed::Key(digest) => {
-                hex.clear();
-                hex.push_str(&hex::encode(digest));
-                if args.print {
-                    out.write_all(hex.as_bytes())?;
-                    out.write_all(b"\n")?;
-                } else {
-                    records.encode(Some((&args.emit_id, &hex)), &mut *out)?;
+    let mut each = || -> anyhow::Result<()> {
+        while let Some(keyed) = records.next(&spec, now, &mut scratch)? {
+            read += 1;
+            if read % PROGRESS_EVERY_LINES == 0 {
+                bar.set_position(records.bytes_read());
+            }
+            check_interrupt(&interrupted)?;
+            if !header_done {
+                records.write_header(Some(&args.emit_id), &mut *out)?;
+                header_done = true;
+            }
+            match keyed {
+                Keyed::Rejected(pos, reason, value) => rejects.reject(&pos, &reason.0, value)?,
+                Keyed::Key(digest) => {
+                    hex.clear();
+                    hex.push_str(&hex::encode(digest));
+                    if args.print {
+                        out.write_all(hex.as_bytes())?;
+                        out.write_all(b"\n")?;
+                    } else {
+                        records.encode(Some((&args.emit_id, &hex)), &mut *out)?;
+                    }
+                    written += 1;
                 }
             }
         }
-    }
-    if !header_done {
-        records.write_header(Some(&args.emit_id), &mut *out)?;
-    }
+        if !header_done {
+            records.write_header(Some(&args.emit_id), &mut *out)?;
+        }
+        Ok(())
+    };
+    let result = each().and_then(|()| out.flush().context("writing the output"));
     bar.finish_and_clear();
-    out.flush().context("writing the output")?;
-    rejects.finish()?;
-    Ok(ExitCode::SUCCESS)
+    if result
+        .as_ref()
+        .is_err_and(crate::commands::is_output_closed)
+    {
+        return result.map(|()| ExitCode::SUCCESS);
+    }
+    let stopped = result.is_err();
+    if stopped {
+        // What was written before the stop is flushed and counted, then the reason.
+        if let Err(flush) = out.flush() {
+            tracing::warn!("while stopping: writing the output: {flush}");
+        }
+    }
+    let finished = result.and_then(|()| rejects.finish());
+    if !args.quiet {
+        let not_written = read.saturating_sub(written + rejects.count);
+        eprintln!(
+            "{}",
+            summary(
+                "id",
+                stopped,
+                read,
+                &[("written", written), ("rejected", rejects.count)],
+                &[("not written", not_written)],
+                started,
+            )
+        );
+    }
+    finished.map(|()| ExitCode::SUCCESS)
 }

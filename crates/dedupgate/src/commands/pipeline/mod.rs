@@ -50,6 +50,11 @@ pub fn report_failure(command: &str, e: &anyhow::Error) -> std::process::ExitCod
     if crate::commands::is_output_closed(e) {
         return std::process::ExitCode::SUCCESS;
     }
+    if e.downcast_ref::<Interrupted>().is_some() {
+        // The stopped summary said what was done; 128 + SIGINT, as a shell reports it.
+        eprintln!("dedupgate {command}: {e}");
+        return std::process::ExitCode::from(EXIT_INTERRUPTED);
+    }
     // Errors that write their cause into their message do not also return it as their source,
     // so the chain says each cause once.
     eprintln!("dedupgate {command}: {e:#}");
@@ -121,6 +126,12 @@ pub fn line_value(line: &[u8]) -> serde_json::Value {
     serde_json::Value::String(String::from_utf8_lossy(line).into_owned())
 }
 
+/// The progress bar's line with a known size: `{wide_bar}` takes what the terminal's width
+/// leaves, so the line never wraps (a fixed 40-column bar wrapped on 80 columns).
+pub const BAR_TEMPLATE: &str = "{wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}";
+/// The progress line of stdin (no known size).
+pub const SPINNER_TEMPLATE: &str = "{spinner} {bytes} {binary_bytes_per_sec}";
+
 /// A progress bar on stderr when it is a terminal (never when piped or `--quiet`).
 pub fn progress(total_bytes: Option<u64>, quiet: bool) -> ProgressBar {
     if quiet || !std::io::stderr().is_terminal() {
@@ -129,16 +140,100 @@ pub fn progress(total_bytes: Option<u64>, quiet: bool) -> ProgressBar {
     match total_bytes {
         Some(total) => ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
             .with_style(
-                ProgressStyle::with_template(
-                    "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {msg}",
-                )
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                ProgressStyle::with_template(BAR_TEMPLATE)
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
             ),
         None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(
-            ProgressStyle::with_template("{spinner} {bytes} {binary_bytes_per_sec} {msg}")
+            ProgressStyle::with_template(SPINNER_TEMPLATE)
                 .unwrap_or_else(|_| ProgressStyle::default_spinner()),
         ),
     }
+}
+
+/// Exit status of a pipeline command stopped by SIGINT (128 + 2, as a shell reports it).
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+/// SIGINT (Ctrl-C) stopped the run: it stops between records like a failure, so what was
+/// written is flushed (and, with a ledger, recorded) and the stopped summary says so.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted (SIGINT)")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// Set once SIGINT arrives; from then on SIGINT no longer kills the process, the command
+/// checks the flag between records and stops cleanly.
+pub fn interrupt_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let set = flag.clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let watcher = std::thread::Builder::new()
+        .name("sigint".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                let _ = ready_tx.send(());
+                return;
+            };
+            rt.block_on(async {
+                let mut sigint =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt());
+                let _ = ready_tx.send(());
+                if let Ok(sigint) = &mut sigint {
+                    sigint.recv().await;
+                    set.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        });
+    // The handler is in place before the run starts (a SIGINT before it kills the process).
+    if watcher.is_ok() {
+        let _ = ready_rx.recv();
+    }
+    flag
+}
+
+/// `Err(Interrupted)` once SIGINT has come.
+pub fn check_interrupt(flag: &std::sync::atomic::AtomicBool) -> anyhow::Result<()> {
+    if flag.load(std::sync::atomic::Ordering::Relaxed) {
+        Err(Interrupted.into())
+    } else {
+        Ok(())
+    }
+}
+
+/// The summary line every pipeline command ends with on stderr (unless `--quiet`):
+/// `dedupgate CMD: [stopped: ]read N, a N, b N (1.23s)`. Counts of zero in `optional` are
+/// left out; the parts add up to `read` (a stopped run names what it had read and not
+/// written, so the sum is never short).
+pub fn summary(
+    command: &str,
+    stopped: bool,
+    read: u64,
+    parts: &[(&str, u64)],
+    optional: &[(&str, u64)],
+    started: std::time::Instant,
+) -> String {
+    let mut line = format!(
+        "dedupgate {command}: {}read {read}",
+        if stopped { "stopped: " } else { "" }
+    );
+    for (name, n) in parts {
+        line.push_str(&format!(", {name} {n}"));
+    }
+    for (name, n) in optional {
+        if *n > 0 {
+            line.push_str(&format!(", {name} {n}"));
+        }
+    }
+    line.push_str(&format!(" ({:.2}s)", started.elapsed().as_secs_f64()));
+    line
 }
 
 /// A runtime for the gate calls of a pipeline command (one thread: the work is sequential).
