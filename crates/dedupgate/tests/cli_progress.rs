@@ -225,3 +225,37 @@ fn progress_bars_fit_the_terminal_width() {
         }
     }
 }
+
+#[test]
+fn a_second_sigint_stops_a_run_blocked_on_stdin() {
+    let mut child = dg()
+        .args(["dedup", "--key-fields", "id"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // stdin stays open and empty: the run waits for its first record.
+    let _stdin = child.stdin.take().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..2 {
+        let status = Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running after two SIGINTs"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(130));
+}

@@ -166,8 +166,8 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
-/// Set once SIGINT arrives; from then on SIGINT no longer kills the process, the command
-/// checks the flag between records and stops cleanly.
+/// Set once SIGINT arrives: the command checks the flag between records and stops cleanly. A
+/// second SIGINT exits at once with [`EXIT_INTERRUPTED`].
 pub fn interrupt_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let set = flag.clone();
@@ -189,6 +189,10 @@ pub fn interrupt_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
                 if let Ok(sigint) = &mut sigint {
                     sigint.recv().await;
                     set.store(true, std::sync::atomic::Ordering::Relaxed);
+                    // A run blocked reading stdin sees the flag only at its next record: a
+                    // second SIGINT stops it at once, as an uncaught one would have.
+                    sigint.recv().await;
+                    std::process::exit(i32::from(EXIT_INTERRUPTED));
                 }
             });
         });
