@@ -109,11 +109,15 @@ pub const REFUSED_BODY_DRAIN_BYTES_MAX: u64 = 64 << 20;
 /// `Expect: 100-continue` (over HTTP/2 a refused stream is reset on its own, and a client that
 /// waits for 100 Continue sends nothing after a 413).
 fn sends_body_unasked(parts: &axum::http::request::Parts) -> bool {
-    let expects_continue = parts
-        .headers
+    parts.version <= axum::http::Version::HTTP_11 && !expects_continue(&parts.headers)
+}
+
+/// Whether the client waits to be asked (`Expect: 100-continue`) before it sends its body:
+/// reading such a body makes hyper send `100 Continue`, and the client then uploads it.
+fn expects_continue(headers: &HeaderMap) -> bool {
+    headers
         .get(header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    parts.version <= axum::http::Version::HTTP_11 && !expects_continue
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
 /// The answer to a request refused before its body was read (401, 413) goes at once; the body
@@ -629,7 +633,7 @@ impl AppState {
                     Endpoint::Record(kind) => {
                         Box::pin(async move {
                             let (parts, body) = request.into_parts();
-                            let whole = self.skip_body(body).await;
+                            let whole = self.skip_body(&parts.headers, body).await;
                             let answer = self.guarded(path, started, self.record(kind, parts));
                             close_unless(whole, answer.await)
                         })
@@ -648,7 +652,8 @@ impl AppState {
                         .await
                     }
                     Endpoint::Health => {
-                        let whole = self.skip_body(request.into_body()).await;
+                        let (parts, body) = request.into_parts();
+                        let whole = self.skip_body(&parts.headers, body).await;
                         let answer = self.guarded(path, started, Box::pin(self.health()));
                         close_unless(whole, answer.await)
                     }
@@ -659,7 +664,8 @@ impl AppState {
                                 .get(header::ACCEPT)
                                 .map(HeaderValue::as_bytes),
                         );
-                        let whole = self.skip_body(request.into_body()).await;
+                        let (parts, body) = request.into_parts();
+                        let whole = self.skip_body(&parts.headers, body).await;
                         let answer =
                             self.guarded(path, started, Box::pin(self.metrics_text(format)));
                         close_unless(whole, answer.await)
@@ -667,7 +673,8 @@ impl AppState {
                 }
             }
             Dispatch::WrongMethod(path) => {
-                let whole = self.skip_body(request.into_body()).await;
+                let (parts, body) = request.into_parts();
+                let whole = self.skip_body(&parts.headers, body).await;
                 let mut response = self
                     .guarded(
                         path,
@@ -684,7 +691,8 @@ impl AppState {
                 close_unless(whole, response)
             }
             Dispatch::NoRoute => {
-                let whole = self.skip_body(request.into_body()).await;
+                let (parts, body) = request.into_parts();
+                let whole = self.skip_body(&parts.headers, body).await;
                 let response = self
                     .guarded(
                         "other",
@@ -714,12 +722,18 @@ impl AppState {
     /// when it was not read whole. Left unread, hyper closes the connection after the answer
     /// without saying so, and a client that sends its next request on it sees the connection
     /// drop with no answer (found by schemathesis: `PUT /v1/extend` with a JSON body).
-    async fn skip_body<B>(&self, body: B) -> bool
+    /// A body the client has not sent yet because it waits for `100 Continue` (see
+    /// [`expects_continue`]) is not asked for: reading it would make hyper send the 100 and
+    /// the client upload a body that is never needed, so the answer closes the connection.
+    async fn skip_body<B>(&self, headers: &HeaderMap, body: B) -> bool
     where
         B: HttpBody<Data = Bytes> + Send + 'static,
     {
         if body.is_end_stream() {
             return true;
+        }
+        if expects_continue(headers) {
+            return false;
         }
         let limit = self.config.limits.body_bytes_max as u64;
         if body.size_hint().lower() > limit {

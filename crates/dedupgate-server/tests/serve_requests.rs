@@ -267,3 +267,55 @@ async fn a_body_sent_to_a_route_that_takes_none_leaves_the_connection_usable() {
         assert_eq!(got, 200, "{method} {target}, then /healthz: {text}");
     }
 }
+
+/// A client that sent `Expect: 100-continue` to a route that takes no body was asked for its
+/// body (reading it made hyper send `100 Continue`), and uploaded up to `body_bytes_max` that a
+/// 404 or a probe never needs. It is not asked now: the answer comes at once, without a
+/// `100 Continue`, and closes the connection (the body it holds back is never read).
+#[tokio::test]
+async fn a_body_held_back_for_100_continue_is_not_asked_for_by_a_route_that_takes_none() {
+    let addr = start(Limits {
+        request_timeout_ms: 2_000,
+        ..Limits::default()
+    })
+    .await;
+    for (method, target, status) in [
+        ("PUT", "/v1/extend", "405"),
+        ("POST", "/v1/nowhere", "404"),
+        ("GET", "/v1/record?namespace=n&key=k", "404"),
+        ("GET", "/healthz", "200"),
+        ("GET", "/metrics", "200"),
+    ] {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "{method} {target} HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n\
+             content-length: 1000000\r\n\r\n"
+        );
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        // Everything the server sends until it closes the connection, the body never sent.
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_millis(1_000),
+            tcp.read_to_end(&mut got),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+        assert!(
+            !text.contains(" 100 continue"),
+            "{method} {target} asked for the body: {text:?}"
+        );
+        assert!(
+            read.is_ok(),
+            "{method} {target}: no closed answer within 1 s: {text:?}"
+        );
+        assert!(
+            text.starts_with(&format!("http/1.1 {status} ")),
+            "{method} {target}: {text:?}"
+        );
+        let head = &text[..text.find("\r\n\r\n").unwrap()];
+        assert!(
+            head.lines().any(|l| l == "connection: close"),
+            "{method} {target}: {text:?}"
+        );
+    }
+}
