@@ -28,10 +28,10 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::delivery::{Delivery, DeliveryMode};
 use crate::history::{wall_ns, Event, HAnswer, HOp};
 use crate::ledger::{Effect, JsonlLog, Sink};
 use crate::oracle::{effect_pairs, OracleReport};
-use crate::worker::{Delivery, DeliveryMode};
 
 /// Exit code `dedupgate run` is told to use for a skipped (duplicate) run.
 pub const SKIP_EXIT: i32 = 3;

@@ -20,12 +20,13 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use crate::delivery::{Delivery, DeliveryMode};
 use crate::faces::HttpStore;
 use crate::history::{Event, HAnswer};
 use crate::ledger::{read_answer_logs, read_ledger};
 use crate::lin::{self, LinConfig};
 use crate::oracle::{self, OracleReport};
-use crate::worker::{Delivery, DeliveryMode, Worker, WorkerPlan};
+use crate::worker::{Worker, WorkerPlan};
 
 /// Why a fault run could not be carried out (findings are in [`Checked`], not here).
 #[derive(Debug, thiserror::Error)]

@@ -10,6 +10,8 @@
 //!   records concurrent histories to feed it.
 //! - [`ledger`]: the oracle's evidence outside the gate: the fence-checking [`ledger::Sink`]
 //!   whose effect ledger is fsync'd per effect, and the per-process [`ledger::AnswerLog`].
+//! - [`delivery`]: the [`delivery::Delivery`] a worker consumes and its ordering, shared by the
+//!   worker, the faces it delivers through and the oracle.
 //! - [`worker`]: a worker process consuming deliveries in the retriable or idempotent ordering.
 //! - [`runner`]: the orchestrator that starts gate and worker processes and fires faults
 //!   (SIGKILL, SIGSTOP/SIGCONT), counting each, then drains and checks.
@@ -29,6 +31,7 @@
 
 pub mod clock_jumps;
 pub mod cron;
+pub mod delivery;
 pub mod faces;
 pub mod failover;
 pub mod fault_cli;

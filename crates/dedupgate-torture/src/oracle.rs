@@ -22,9 +22,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use dedupgate_core::{Claim, Mark, State};
 use serde::Serialize;
 
+use crate::delivery::{Delivery, DeliveryMode};
 use crate::history::{Event, HAnswer, HOp};
 use crate::ledger::Effect;
-use crate::worker::{Delivery, DeliveryMode};
 
 /// What the oracle found.
 #[derive(Clone, Debug, Default, Serialize)]

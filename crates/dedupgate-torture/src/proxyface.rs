@@ -31,10 +31,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::delivery::Delivery;
 use crate::history::wall_ns;
 use crate::ledger::{Effect, JsonlLog, Sink};
 use crate::oracle::OracleReport;
-use crate::worker::Delivery;
 
 /// The upstream the harness owns: an HTTP/1.1 server on a loopback port whose every request is
 /// one execution recorded in the effect ledger. Stops when dropped.
@@ -550,7 +550,7 @@ pub fn check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::DeliveryMode;
+    use crate::delivery::DeliveryMode;
 
     fn d() -> Delivery {
         Delivery {

@@ -25,12 +25,13 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use crate::delivery::{Delivery, DeliveryMode};
 use crate::faces::{self, HttpStore};
 use crate::ledger::{read_answer_logs, read_ledger};
 use crate::lin::{self, LinConfig};
 use crate::oracle::{self, OracleReport};
 use crate::tcpfault::{route_through, TcpFaultCounts, TcpFaultPlan, TcpFaultProxy};
-use crate::worker::{Delivery, DeliveryMode, PauseNote, Worker, WorkerPlan};
+use crate::worker::{PauseNote, Worker, WorkerPlan};
 
 /// Which face the workers use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -23,32 +23,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+pub use crate::delivery::{Delivery, DeliveryMode};
 use crate::history::{wall_ns, HAnswer, HOp};
 use crate::ledger::{AnswerLog, Sink};
 
 /// Times a delivery that found its event in progress is put back.
 const REQUEUES_MAX: u32 = 8;
-
-/// Which ordering a delivery is processed in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeliveryMode {
-    /// Claim, effect, complete.
-    Retriable,
-    /// Mark, effect.
-    Idempotent,
-}
-
-/// One delivery of one event.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Delivery {
-    /// Ordering.
-    pub mode: DeliveryMode,
-    /// Namespace (one per ordering, so the two never share a key).
-    pub namespace: String,
-    /// The event id.
-    pub key: String,
-}
 
 /// What a worker leaves behind before it stops itself (`paused-<worker>.json`), so that the
 /// orchestrator can have the event taken over while the holder is stopped.
