@@ -68,7 +68,11 @@ impl Coalescer {
 }
 
 /// Takes queued ops and sends them as batches: each batch takes whatever queued while it waited
-/// for an in-flight slot (never waiting for more), up to `batch_max`.
+/// for an in-flight slot (never waiting for more), up to `batch_max`. An op whose caller has
+/// stopped waiting (its future dropped, as at a store's `op_timeout`, and told `unavailable`)
+/// is dropped unsent: sent, it would still be decided, and a claim its caller was told was not
+/// decided would hold the key for its lease against the caller's own retry. An op already sent
+/// when its caller goes is decided; `unavailable` allows that.
 async fn run<F, Fut>(limits: CoalesceLimits, batch: F, mut queue: mpsc::Receiver<Job>)
 where
     F: Fn(Vec<(RecordId, Op)>) -> Fut + Send + Sync + 'static,
@@ -85,6 +89,11 @@ where
                 Ok(job) => jobs.push(job),
                 Err(_) => break,
             }
+        }
+        // Checked once the slot is taken: waiting for it is where callers time out.
+        jobs.retain(|job| !job.reply.is_closed());
+        if jobs.is_empty() {
+            continue;
         }
         let (ops, replies): (Vec<_>, Vec<_>) =
             jobs.into_iter().map(|j| ((j.id, j.op), j.reply)).unzip();
@@ -169,6 +178,62 @@ mod tests {
             .await;
         assert!(matches!(lone, Ok(Outcome::Claimed(Claim::New(_)))));
         assert_eq!(batches.load(Ordering::SeqCst), before + 1);
+    }
+
+    /// An op whose caller stopped waiting while it queued (as a store's `op_timeout` does,
+    /// answering `unavailable`) was still sent once a slot came free, and decided: a claim
+    /// the caller was told was not decided took the key for its lease. It is dropped unsent.
+    #[tokio::test]
+    async fn an_op_whose_caller_is_gone_is_never_sent() {
+        let store = Arc::new(MemoryStore::new());
+        let gate = Arc::new(Semaphore::new(0));
+        let batches = Arc::new(AtomicUsize::new(0));
+        let limits = CoalesceLimits {
+            queue_max: 8,
+            in_flight_max: 1,
+            batch_max: 8,
+        };
+        // The memory store behind a batch call that waits until the test lets it through.
+        let coalescer = {
+            let (store, gate, batches) = (store.clone(), gate.clone(), batches.clone());
+            Arc::new(Coalescer::spawn(limits, move |ops| {
+                let (store, gate, batches) = (store.clone(), gate.clone(), batches.clone());
+                async move {
+                    batches.fetch_add(1, Ordering::SeqCst);
+                    gate.acquire().await.unwrap().forget();
+                    store.apply_batch(ops).await
+                }
+            }))
+        };
+        let id = |key: &str| RecordId::new("co", key).unwrap();
+        // The one slot is taken by a batch held in the store.
+        let first = {
+            let coalescer = coalescer.clone();
+            tokio::spawn(async move { coalescer.apply(id("first"), claim()).await })
+        };
+        while batches.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        // This op queues behind it, and its caller gives up waiting.
+        let gone = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            coalescer.apply(id("gone"), claim()),
+        )
+        .await;
+        assert!(gone.is_err(), "the op was answered while the slot was held");
+        gate.add_permits(1_000);
+        assert!(matches!(
+            first.await.unwrap(),
+            Ok(Outcome::Claimed(Claim::New(_)))
+        ));
+        // An op queued after it is answered only once anything sent before it was decided.
+        let after = coalescer.apply(id("after"), claim()).await;
+        assert!(matches!(after, Ok(Outcome::Claimed(Claim::New(_)))));
+        let found = store.apply(id("gone"), Op::Get).await;
+        assert!(
+            matches!(found, Ok(Outcome::Found(None))),
+            "the op of a caller that had gone was decided: {found:?}"
+        );
     }
 
     /// A batch that answers fewer ops than it was given leaves no caller hanging.
