@@ -19,10 +19,22 @@
 //!   drop records).
 //! - `testkit` (feature): start real `redis-server` processes and clusters for tests.
 //!
+//! Inside, one concern per module: `store` (the struct, opening, each batch's path), `conn`
+//! (connections and their rebuilds), `checks` (open-time checks), `cluster` (grouping by slot),
+//! `args` (the script's arguments), `script` (script calls in pipelines), `fast_path` (native
+//! `SET … NX GET` of new keys) and `reply` (decoding replies).
+//!
 //! What an acknowledged claim survives (persistence, replication, failover) is in `docs/redis.md`.
 
+mod args;
+mod checks;
+mod cluster;
+mod conn;
+mod fast_path;
 pub mod keys;
 mod options;
+mod reply;
+mod script;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
