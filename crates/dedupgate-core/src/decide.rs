@@ -24,6 +24,13 @@ use crate::op::{Claim, Lease, Mark, Op, Outcome};
 /// Fence units per millisecond of the store's clock: the headroom of claims per ms per key.
 pub const FENCE_PER_MS: u64 = 1000;
 
+/// How long, at least, a completed record outlives its completion when the complete names no
+/// ttl and the work outlasted its claim's ttl (capped by that ttl): a retried complete whose
+/// first answer was lost is answered again for that long, not refused as `lease_lost`. Short
+/// enough that a job run every 5 min with `--ttl 4m` is not pushed past its next trigger unless
+/// it ends within 10 s of it. `decide.lua` and `functions.sql` restate it.
+pub const COMPLETE_GRACE_MS: u64 = 10_000;
+
 /// What the store must do after a decision.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Change {
@@ -64,12 +71,14 @@ fn mismatch(stored: &Option<String>, given: &Option<String>) -> bool {
 
 /// When a claim completed at `now_ms` is forgotten: `ttl_ms` from now when the complete names
 /// one; else the claim's own ttl from the claim, not the lease end that may have held the
-/// claim's expiry later; but never at or before `now_ms`, so the completed record is answered
-/// even when the work outlasted its ttl.
+/// claim's expiry later; but never before `now_ms + min(ttl, COMPLETE_GRACE_MS)`, so when the
+/// work outlasted its ttl a retried complete is still answered for the grace.
 fn completed_expiry(claimed: &Entry, ttl_ms: Option<u64>, now_ms: u64) -> u64 {
     match (ttl_ms, claimed.ttl_ms) {
         (Some(ttl_ms), _) => now_ms + ttl_ms,
-        (None, Some(claim_ttl_ms)) => (claimed.created_at_ms + claim_ttl_ms).max(now_ms + 1),
+        (None, Some(claim_ttl_ms)) => {
+            (claimed.created_at_ms + claim_ttl_ms).max(now_ms + claim_ttl_ms.min(COMPLETE_GRACE_MS))
+        }
         (None, None) => claimed.expires_at_ms,
     }
 }
@@ -361,9 +370,24 @@ mod tests {
             held.expires_at_ms, 30_100,
             "the lease holds the claim's record"
         );
-        assert_eq!(complete_at(&held, None, 500).expires_at_ms, 2_100);
-        // Work that outlasted its ttl: the completed record is answered, then goes.
-        assert_eq!(complete_at(&held, None, 9_000).expires_at_ms, 9_001);
+        assert_eq!(complete_at(&held, None, 100).expires_at_ms, 2_100);
+        // The grace (here the whole 2 s ttl) past the completion is the floor.
+        assert_eq!(complete_at(&held, None, 500).expires_at_ms, 2_500);
+        // Work that outlasted its ttl: the completed record is kept min(ttl, grace) from then,
+        // so a retried complete is answered again.
+        assert_eq!(complete_at(&held, None, 9_000).expires_at_ms, 11_000);
+        // A 60 s ttl under a 120 s lease.
+        let long = Entry {
+            ttl_ms: Some(60_000),
+            expires_at_ms: 120_100,
+            lease_expires_at_ms: Some(120_100),
+            ..held.clone()
+        };
+        assert_eq!(complete_at(&long, None, 20_000).expires_at_ms, 60_100);
+        assert_eq!(
+            complete_at(&long, None, 70_000).expires_at_ms,
+            70_000 + COMPLETE_GRACE_MS
+        );
         // A ttl named at completion counts from then.
         assert_eq!(complete_at(&held, Some(50), 500).expires_at_ms, 550);
         // An entry stored before claims kept their ttl keeps its expiry.

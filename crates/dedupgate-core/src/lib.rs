@@ -45,7 +45,7 @@ pub mod testkit;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use coalesce::{CoalesceLimits, Coalescer};
-pub use decide::{decide, next_fence, Change, Decision};
+pub use decide::{decide, next_fence, Change, Decision, COMPLETE_GRACE_MS};
 pub use error::{GateError, InvalidInput, StoreError};
 pub use gate::{ClaimOptions, Defaults, Gate, Mode, Run, RunError};
 pub use keys::{parse_duration_ms, record_id, KeyFields, KeyTemplate};

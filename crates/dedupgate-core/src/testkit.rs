@@ -15,7 +15,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use crate::{Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, Token};
+use crate::{
+    Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, Token,
+    COMPLETE_GRACE_MS,
+};
 
 /// Lease used by the suite: long enough that a claim and its check land inside it on a busy machine.
 pub const LEASE_MS: u64 = 1_500;
@@ -59,6 +62,7 @@ cases!(
     complete_with_ttl_moves_expiry,
     same_owner_reclaim_never_shortens_its_lease,
     completed_record_is_kept_for_the_claims_ttl_not_its_lease,
+    retried_complete_after_the_ttl_is_answered_for_the_grace,
     get_and_forget,
     invalid_ops_change_nothing,
     keys_are_stored_exactly,
@@ -611,7 +615,8 @@ async fn same_owner_reclaim_never_shortens_its_lease(h: &dyn Harness) {
 
 /// A claim whose ttl is shorter than its lease: the lease holds its record while it runs, but
 /// once completed (with no ttl of its own) the record is kept for the claim's ttl from the
-/// claim, never until the lease end; a completion after the ttl is answered, then goes at once.
+/// claim, never until the lease end; a completion after the ttl is answered, then kept for
+/// `min(ttl, COMPLETE_GRACE_MS)` from the completion.
 async fn completed_record_is_kept_for_the_claims_ttl_not_its_lease(h: &dyn Harness) {
     const SHORT_TTL_MS: u64 = 1_000;
     let c = Ctx::new(h, "claim_ttl");
@@ -636,7 +641,8 @@ async fn completed_record_is_kept_for_the_claims_ttl_not_its_lease(h: &dyn Harne
         panic!("complete fast")
     };
     let kept = |r: &Record| {
-        (r.created_at_ms + SHORT_TTL_MS).max(r.completed_at_ms.expect("completed") + 1)
+        (r.created_at_ms + SHORT_TTL_MS)
+            .max(r.completed_at_ms.expect("completed") + SHORT_TTL_MS.min(COMPLETE_GRACE_MS))
     };
     assert_eq!(
         fast.expires_at_ms,
@@ -655,14 +661,58 @@ async fn completed_record_is_kept_for_the_claims_ttl_not_its_lease(h: &dyn Harne
         panic!("a completion after the ttl, inside the lease, is answered")
     };
     assert_eq!(slow.state, State::Completed);
-    assert_eq!(slow.expires_at_ms, kept(&slow), "just past its completion");
+    assert_eq!(
+        slow.expires_at_ms,
+        kept(&slow),
+        "the grace from its completion"
+    );
     assert_eq!(c.get("fast").await, None, "kept for the ttl, not the lease");
-    h.advance(50).await;
+    h.advance(SHORT_TTL_MS.min(COMPLETE_GRACE_MS) + 50).await;
     assert_eq!(c.get("slow").await, None);
     for (key, lease) in ["fast", "slow"].into_iter().zip(&leases) {
         let again = c.claim_new(key).await;
         assert!(again.fence > lease.fence, "{key}");
     }
+}
+
+/// Work that outlasted its claim's ttl (inside its lease): the complete is answered, and a
+/// retried complete whose first answer was lost is answered again with the same record (not
+/// `lease_lost`) until `min(ttl, COMPLETE_GRACE_MS)` after the completion; then the record goes.
+async fn retried_complete_after_the_ttl_is_answered_for_the_grace(h: &dyn Harness) {
+    const SHORT_TTL_MS: u64 = 1_000;
+    let grace = SHORT_TTL_MS.min(COMPLETE_GRACE_MS);
+    let c = Ctx::new(h, "complete_grace");
+    let claim = Op::Claim {
+        ttl_ms: SHORT_TTL_MS,
+        lease_ms: LEASE_MS * 4,
+        fingerprint: None,
+        owner: None,
+    };
+    let lease = match c.op("evt", claim).await {
+        Ok(Outcome::Claimed(Claim::New(l))) => l,
+        other => panic!("claim: {other:?}"),
+    };
+    h.advance(SHORT_TTL_MS + 300).await; // past the ttl, inside the lease
+    let Ok(Outcome::Completed(first)) = c.complete("evt", &lease.token, json!(1)).await else {
+        panic!("a completion after the ttl, inside the lease, is answered")
+    };
+    assert_eq!(
+        first.expires_at_ms,
+        first.completed_at_ms.expect("completed") + grace,
+        "kept for the grace from the completion"
+    );
+    h.advance(grace / 2).await; // the first answer was lost; the caller retries
+    match c.complete("evt", &lease.token, json!(2)).await {
+        Ok(Outcome::Completed(again)) => assert_eq!(again, first, "answered again, unchanged"),
+        other => panic!("a retried complete within the grace: {other:?}"),
+    }
+    assert_eq!(c.get("evt").await.as_ref(), Some(&first));
+    h.advance(grace / 2 + 100).await;
+    assert_eq!(c.get("evt").await, None, "gone once the grace ends");
+    assert_lease_lost(
+        c.complete("evt", &lease.token, json!(3)).await,
+        "complete after the grace",
+    );
 }
 
 async fn get_and_forget(h: &dyn Harness) {

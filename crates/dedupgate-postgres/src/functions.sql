@@ -237,9 +237,10 @@ $$;
 
 -- Complete: only the current token of a live entry. A retried complete (entry already completed
 -- with this token) is answered with the stored record and changes nothing. The record is kept
--- p_ttl_ms from now when given, else until the claim's ttl ends (created_at_ms + ttl_ms, never
--- at or before now), not the lease end that may have held the claim's expiry later; a row
--- without ttl_ms (claimed before schema v2) keeps its expiry.
+-- p_ttl_ms from now when given, else until the claim's ttl ends (created_at_ms + ttl_ms, but at
+-- least least(ttl_ms, 10000) past now: 10000 is dedupgate_core::COMPLETE_GRACE_MS, so a retried
+-- complete is answered again when the work outlasted its ttl), not the lease end that may have
+-- held the claim's expiry later; a row without ttl_ms (claimed before schema v2) keeps its expiry.
 CREATE FUNCTION {s}.dedupgate_complete(p_ns bytea, p_key bytea, p_token bytea, p_result bytea,
                                        p_ttl_ms bigint)
 RETURNS {s}.dedupgate_answer
@@ -264,7 +265,8 @@ BEGIN
             result = p_result,
             expires_at_ms = CASE WHEN p_ttl_ms IS NOT NULL THEN v_now + p_ttl_ms
                                  WHEN ttl_ms IS NOT NULL
-                                 THEN greatest(created_at_ms + ttl_ms, v_now + 1)
+                                 THEN greatest(created_at_ms + ttl_ms,
+                                               v_now + least(ttl_ms, 10000))
                                  ELSE expires_at_ms END,
             ttl_ms = NULL
         WHERE namespace = p_ns AND key = p_key

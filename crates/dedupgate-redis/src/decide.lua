@@ -22,8 +22,8 @@
 -- expires_at_ms, lease_expires_at_ms, completed_at_ms, result_json, ttl_ms} with `false` for
 -- none, state 'i' (in_progress), 'c' (completed) or 'r' (released: a fence-keeping tombstone).
 -- ttl_ms is the ttl a claim asked for (in_progress only): a complete that names no ttl keeps
--- the record until created_at_ms + ttl_ms (never at or before its completion), not until the
--- lease end that may have held the claim's expiry later. A record of 10 (written before ttl_ms
+-- the record until created_at_ms + ttl_ms (but at least min(ttl_ms, COMPLETE_GRACE_MS) past its
+-- completion), not until the lease end that may have held the claim's expiry later. A record of 10 (written before ttl_ms
 -- was kept) reads as ttl_ms false: its expiry stands.
 -- Its key expires (PXAT) `keep` ms after the record's expires_at_ms, so Redis forgets it by
 -- itself; until then the script treats it as absent but still reads its fence, so a fence
@@ -54,6 +54,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local keep = tonumber(ARGV[1])
 local FENCE_PER_MS = 1000
+-- dedupgate_core::COMPLETE_GRACE_MS: a completed record outlives its completion by at least
+-- min(claim ttl, this) when the complete names no ttl, so a retried complete is answered again.
+local COMPLETE_GRACE_MS = 10000
 local fresh_fence = now * FENCE_PER_MS
 local call, pack, unpack = redis.call, cmsgpack.pack, cmsgpack.unpack
 
@@ -267,7 +270,7 @@ while i <= nkeys do
           if ttl ~= '' then
             done.e = now + tonumber(ttl)
           elseif live.x then
-            done.e = math.max(live.c + live.x, now + 1)
+            done.e = math.max(live.c + live.x, now + math.min(live.x, COMPLETE_GRACE_MS))
           end
           put(r, done)
           reply = record('K', done)
