@@ -244,6 +244,8 @@ pub fn decide(
                     tombstone.state = EntryState::Released;
                     tombstone.lease_expires_at_ms = None;
                     tombstone.result = None;
+                    // in_progress only, so an older build reads the tombstone.
+                    tombstone.ttl_ms = None;
                     Decision {
                         answer: Ok(Outcome::Released),
                         change: Change::Put(tombstone),
@@ -285,6 +287,7 @@ pub fn decide(
                 tombstone.token = None;
                 tombstone.lease_expires_at_ms = None;
                 tombstone.result = None;
+                tombstone.ttl_ms = None;
                 Decision {
                     answer: Ok(Outcome::Forgotten(true)),
                     change: Change::Put(tombstone),
@@ -410,6 +413,7 @@ mod tests {
             Token::generate,
         ));
         assert_eq!(tomb.state, EntryState::Released);
+        assert_eq!(tomb.ttl_ms, None, "ttl_ms is for in_progress entries only");
         let again = put(decide(
             &id(),
             claim(None),
@@ -418,5 +422,14 @@ mod tests {
             Token::generate,
         ));
         assert_eq!(again.fence, held.fence + 1);
+    }
+
+    #[test]
+    fn forget_leaves_a_tombstone_without_the_claims_ttl() {
+        let held = put(decide(&id(), claim(None), None, 100, Token::generate));
+        assert_eq!(held.ttl_ms, Some(10_000));
+        let tomb = put(decide(&id(), Op::Forget, Some(&held), 101, Token::generate));
+        assert_eq!(tomb.state, EntryState::Released);
+        assert_eq!(tomb.ttl_ms, None, "ttl_ms is for in_progress entries only");
     }
 }

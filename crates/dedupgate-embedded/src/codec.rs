@@ -35,8 +35,8 @@ const FLAG_OWNER: u8 = 1 << 2;
 const FLAG_LEASE: u8 = 1 << 3;
 const FLAG_COMPLETED: u8 = 1 << 4;
 const FLAG_RESULT: u8 = 1 << 5;
-/// Only an in-progress entry carries its claim's ttl, so a build that reads only bits 0-5
-/// still reads every completed record.
+/// Only an in-progress entry carries its claim's ttl (a complete, a release and a forget all
+/// drop it), so a build that reads only bits 0-5 still reads every completed or released record.
 const FLAG_TTL: u8 = 1 << 6;
 const FLAGS_KNOWN: u8 = (1 << 7) - 1;
 

@@ -296,7 +296,8 @@ BEGIN
         RETURN ROW(4::smallint, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                    NULL)::{s}.dedupgate_answer;
     END IF;
-    UPDATE {s}.dedupgate_records SET state = 2, lease_expires_at_ms = NULL, result = NULL
+    UPDATE {s}.dedupgate_records SET state = 2, lease_expires_at_ms = NULL, result = NULL,
+                                     ttl_ms = NULL -- in_progress rows only (v2.sql)
     WHERE namespace = p_ns AND key = p_key;
     RETURN ROW(1::smallint, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                    NULL)::{s}.dedupgate_answer;
@@ -361,7 +362,7 @@ BEGIN
         WHERE namespace = p_ns AND key = p_key FOR UPDATE;
     IF FOUND AND r.expires_at_ms > {s}.dedupgate_now_ms() AND r.state <> 2 THEN
         UPDATE {s}.dedupgate_records SET
-            state = 2, token = NULL, lease_expires_at_ms = NULL, result = NULL
+            state = 2, token = NULL, lease_expires_at_ms = NULL, result = NULL, ttl_ms = NULL
         WHERE namespace = p_ns AND key = p_key;
         RETURN ROW(1::smallint, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                    NULL)::{s}.dedupgate_answer;

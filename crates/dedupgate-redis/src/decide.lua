@@ -291,6 +291,7 @@ while i <= nkeys do
         tomb.s = 'r'
         tomb.l = false
         tomb.r = nonce
+        tomb.x = false -- ttl_ms is for in_progress records only
         put(r, tomb)
         reply = {'R'}
       elseif nonce and present and present.s == 'r' and present.t == token and present.r == nonce then
@@ -326,6 +327,7 @@ while i <= nkeys do
         tomb.t = false
         tomb.l = false
         tomb.r = false
+        tomb.x = false
         put(r, tomb)
         reply = {'F', 1}
       else
