@@ -192,7 +192,8 @@ BEGIN
                 expires_at_ms = v_now + p_ttl_ms,
                 lease_expires_at_ms = NULL,
                 completed_at_ms = v_now,
-                result = p_result
+                result = p_result,
+                ttl_ms = NULL -- the taken claim's: in_progress rows only (v2.sql)
             WHERE namespace = p_ns AND key = p_key
             RETURNING * INTO r;
             RETURN ROW(1::smallint, r.state, r.fence, NULL, r.fingerprint, r.owner,
@@ -746,7 +747,8 @@ BEGIN
                         expires_at_ms = v_now + u.ttl_ms,
                         lease_expires_at_ms = NULL,
                         completed_at_ms = v_now,
-                        result = u.result
+                        result = u.result,
+                        ttl_ms = NULL
                     FROM u
                     WHERE e.namespace = u.ns AND e.key = u.key
                       AND (NOT (e.expires_at_ms > v_now AND e.state <> 2)
