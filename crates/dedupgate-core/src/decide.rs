@@ -298,6 +298,32 @@ pub fn decide(
     }
 }
 
+/// The answer [`decide`] gives `op` on `current` at `now_ms` when that decision changes nothing
+/// (a duplicate, a refusal, a get), or `None` when it would write. For answers given beside the
+/// store's atomic section (the embedded store's durable view, the tiered store's cache): a
+/// decision that changes nothing needs no lock, and taking it from [`decide`] keeps those
+/// answers from restating its rules. A decision that would write is left to the caller's
+/// writer, so no token is drawn here.
+pub fn decide_read_only(
+    id: &RecordId,
+    op: &Op,
+    current: Option<&Entry>,
+    now_ms: u64,
+) -> Option<Result<Outcome, GateError>> {
+    // Only a decision that creates a claim asks for a token, and that one is dropped.
+    let decision = decide(
+        id,
+        op.clone(),
+        current,
+        now_ms,
+        || Token::new(String::new()),
+    );
+    match decision.change {
+        Change::Keep => Some(decision.answer),
+        Change::Put(_) => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,5 +457,65 @@ mod tests {
         let tomb = put(decide(&id(), Op::Forget, Some(&held), 101, Token::generate));
         assert_eq!(tomb.state, EntryState::Released);
         assert_eq!(tomb.ttl_ms, None, "ttl_ms is for in_progress entries only");
+    }
+
+    fn completed(fingerprint: Option<&str>) -> Entry {
+        let op = Op::Mark {
+            ttl_ms: 10_000,
+            fingerprint: fingerprint.map(str::to_owned),
+            result: Some(serde_json::json!({"ok": true})),
+        };
+        put(decide(&id(), op, None, 100, Token::generate))
+    }
+
+    #[test]
+    fn a_read_only_decision_answers_what_changes_nothing() {
+        let done = completed(Some("fp"));
+        let Some(Ok(Outcome::Claimed(Claim::Duplicate { record }))) =
+            decide_read_only(&id(), &claim(None), Some(&done), 200)
+        else {
+            panic!("a claim of a completed key is a duplicate");
+        };
+        assert_eq!(record, done.to_record(&id(), 200).unwrap());
+        let mark = Op::Mark {
+            ttl_ms: 5,
+            fingerprint: Some("other".into()),
+            result: None,
+        };
+        assert!(matches!(
+            decide_read_only(&id(), &mark, Some(&done), 200),
+            Some(Err(GateError::FingerprintMismatch))
+        ));
+        assert!(matches!(
+            decide_read_only(&id(), &Op::Get, Some(&done), 200),
+            Some(Ok(Outcome::Found(Some(_))))
+        ));
+        assert!(matches!(
+            decide_read_only(&id(), &Op::Get, None, 200),
+            Some(Ok(Outcome::Found(None)))
+        ));
+    }
+
+    #[test]
+    fn a_read_only_decision_leaves_every_write_to_the_writer() {
+        assert!(decide_read_only(&id(), &claim(None), None, 100).is_none());
+        let held = put(decide(&id(), claim(Some("w")), None, 100, Token::generate));
+        // The same owner again renews its lease: a write.
+        assert!(decide_read_only(&id(), &claim(Some("w")), Some(&held), 200).is_none());
+        // Another claimer while the lease holds: a duplicate, no write.
+        assert!(matches!(
+            decide_read_only(&id(), &claim(Some("v")), Some(&held), 200),
+            Some(Ok(Outcome::Claimed(Claim::Duplicate { .. })))
+        ));
+        // After the lease passed the key is taken over: a write.
+        assert!(decide_read_only(&id(), &claim(Some("v")), Some(&held), 1_100).is_none());
+        // Past its expiry a completed record is absent: a mark creates a new one.
+        let done = completed(None);
+        let mark = Op::Mark {
+            ttl_ms: 5,
+            fingerprint: None,
+            result: None,
+        };
+        assert!(decide_read_only(&id(), &mark, Some(&done), 10_100).is_none());
     }
 }

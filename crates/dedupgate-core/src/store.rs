@@ -44,6 +44,13 @@ pub trait Store: Send + Sync + 'static {
     /// engine expires entries itself (Redis) return 0.
     async fn sweep_expired(&self, batch_max: usize) -> Result<u64, StoreError>;
 
+    /// True when the store removes its expired entries by itself (a sweeper of its own, or an
+    /// engine that expires keys), so a face's sweep timer leaves it alone: each store has one
+    /// owner that sweeps it. [`Store::sweep_expired`] still works when called.
+    fn sweeps_itself(&self) -> bool {
+        false
+    }
+
     /// Figures for metrics.
     async fn stats(&self) -> Result<StoreStats, StoreError> {
         Ok(StoreStats::default())
