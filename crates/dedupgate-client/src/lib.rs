@@ -7,6 +7,8 @@
 //!   fail with [`ClientError`], which carries a [`GateError`] for the answers the core defines
 //!   (lease lost, fingerprint mismatch, invalid request, unavailable).
 //! - [`RetryPolicy`]: how a call is retried on 503 and on transport errors, and why that is safe.
+//! - [`HttpStore`]: a server as a core [`Store`](dedupgate_core::Store), so that every face
+//!   can talk to a remote gate as to any other store; [`HttpStoreOptions`] says how it retries.
 //! - [`load`]: the keep-alive HTTP load generator behind `dedupgate bench`.
 //!
 //! ```no_run
@@ -22,6 +24,9 @@
 //! ```
 
 pub mod load;
+mod store;
+
+pub use store::{HttpStore, HttpStoreOptions};
 
 use std::time::Duration;
 
@@ -504,10 +509,7 @@ fn problem_error(status: StatusCode, body: &[u8]) -> ClientError {
         ));
     }
     match serde_json::from_slice::<Problem>(body) {
-        Ok(problem) => match problem.to_gate_error() {
-            Some(e) => ClientError::Gate(e),
-            None => ClientError::Rejected(problem),
-        },
+        Ok(problem) => problem.into(),
         Err(_) => ClientError::Protocol(format!(
             "HTTP {status} without problem JSON: {}",
             String::from_utf8_lossy(&body[..body.len().min(200)])

@@ -1,0 +1,228 @@
+//! The HTTP API seen as a core [`Store`]: a dedupgate server is one more store to every face.
+//!
+//! [`HttpStore`] carries each operation to the server with a [`Client`] and maps the answer
+//! back; its error mapping ([`ClientError`] into [`GateError`]) is the only one from HTTP
+//! problems to core errors. How it retries is the client's [`RetryPolicy`], set through
+//! [`HttpStoreOptions`]: the CLI keeps the safe retries, the torture harness turns them off
+//! so that each recorded operation is exactly one request.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dedupgate_core::{ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError};
+
+use crate::{Client, ClientError, MarkOptions, Problem, RetryPolicy, DEFAULT_TIMEOUT_MS};
+
+/// How an [`HttpStore`] talks to its server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpStoreOptions {
+    /// How a call is retried (see [`RetryPolicy`] for why its retries are safe).
+    pub retry: RetryPolicy,
+    /// Per-request timeout.
+    pub timeout: Duration,
+}
+
+impl Default for HttpStoreOptions {
+    /// The client's own defaults: safe retries, [`DEFAULT_TIMEOUT_MS`] per request.
+    fn default() -> Self {
+        Self {
+            retry: RetryPolicy::default(),
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+        }
+    }
+}
+
+impl HttpStoreOptions {
+    /// One try per call and 10 s per request: a caller that records every request it makes
+    /// (the torture harness) must see each retry as an operation of its own.
+    pub fn without_retries() -> Self {
+        Self {
+            retry: RetryPolicy {
+                attempts_max: 1,
+                backoff_initial_ms: 1,
+                backoff_max_ms: 1,
+            },
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A dedupgate server as a [`Store`]. Transport errors and 503s are
+/// [`StoreError::Unavailable`]: unknown outcomes.
+#[derive(Clone, Debug)]
+pub struct HttpStore {
+    client: Client,
+    base: String,
+}
+
+impl HttpStore {
+    /// A store talking to the server at `base` as `options` say.
+    pub fn new(base: &str, options: HttpStoreOptions) -> Result<Self, ClientError> {
+        let client = Client::new(base)?
+            .with_retry(options.retry)
+            .with_timeout(options.timeout)?;
+        Ok(Self {
+            client,
+            base: base.to_owned(),
+        })
+    }
+
+    /// The client the store calls through.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl From<Problem> for ClientError {
+    /// The core's error when the core defines the problem's code, else the problem as sent.
+    fn from(problem: Problem) -> Self {
+        match problem.to_gate_error() {
+            Some(e) => ClientError::Gate(e),
+            None => ClientError::Rejected(problem),
+        }
+    }
+}
+
+impl From<ClientError> for GateError {
+    /// An answer the core defines stays itself; any other failure (a transport error, an
+    /// answer the core has no word for) is unavailable: the outcome is unknown.
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Gate(g) => g,
+            other => GateError::Store(StoreError::Unavailable(other.to_string())),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for HttpStore {
+    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+        let (ns, key) = (id.namespace.to_string(), id.key.to_string());
+        let c = &self.client;
+        match op {
+            Op::Claim {
+                ttl_ms,
+                lease_ms,
+                fingerprint,
+                owner: Some(owner),
+            } => Ok(Outcome::Claimed(
+                c.claim(
+                    &ns,
+                    &key,
+                    ClaimOptions {
+                        ttl_ms: Some(ttl_ms),
+                        lease_ms: Some(lease_ms),
+                        fingerprint,
+                        owner: Some(owner),
+                    },
+                )
+                .await?,
+            )),
+            // The typed claim adds an owner when none is given; a batch item is sent as it is.
+            Op::Claim {
+                ttl_ms,
+                lease_ms,
+                fingerprint,
+                owner: None,
+            } => {
+                let mut item = serde_json::json!({"op": "claim", "namespace": ns, "key": key,
+                    "ttl_ms": ttl_ms, "lease_ms": lease_ms});
+                if let Some(f) = fingerprint {
+                    item["fingerprint"] = f.into();
+                }
+                let mut items = c.batch(vec![item]).await?;
+                match items.pop() {
+                    Some(Ok(v)) => serde_json::from_value(v)
+                        .map(Outcome::Claimed)
+                        .map_err(|e| GateError::Store(StoreError::Corrupt(e.to_string()))),
+                    Some(Err(p)) => Err(ClientError::from(p).into()),
+                    None => Err(GateError::Store(StoreError::Corrupt(
+                        "empty batch answer".into(),
+                    ))),
+                }
+            }
+            Op::Complete {
+                token,
+                result,
+                ttl_ms,
+            } => Ok(Outcome::Completed(
+                c.complete(&ns, &key, &token, result, ttl_ms).await?,
+            )),
+            Op::Release { token } => {
+                c.release(&ns, &key, &token).await?;
+                Ok(Outcome::Released)
+            }
+            Op::Extend { token, lease_ms } => Ok(Outcome::Extended {
+                lease_expires_at_ms: c.extend(&ns, &key, &token, lease_ms).await?,
+            }),
+            Op::Mark {
+                ttl_ms,
+                fingerprint,
+                result,
+            } => Ok(Outcome::Marked(
+                c.mark(
+                    &ns,
+                    &key,
+                    MarkOptions {
+                        ttl_ms: Some(ttl_ms),
+                        fingerprint,
+                        result,
+                    },
+                )
+                .await?,
+            )),
+            Op::Get => Ok(Outcome::Found(c.get(&ns, &key).await?)),
+            Op::Forget => Ok(Outcome::Forgotten(c.forget(&ns, &key).await?)),
+        }
+    }
+
+    async fn health(&self) -> Result<(), StoreError> {
+        self.client
+            .health()
+            .await
+            .map_err(|e| StoreError::Unavailable(e.to_string()))
+    }
+
+    async fn sweep_expired(&self, _batch_max: usize) -> Result<u64, StoreError> {
+        // The server sweeps on its own.
+        Ok(0)
+    }
+
+    fn describe(&self) -> String {
+        format!("http: {}", self.base)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problems_the_core_defines_stay_themselves_and_the_rest_are_unavailable() {
+        let lost = Problem {
+            status: 409,
+            code: "lease_lost".into(),
+            detail: "x".into(),
+        };
+        assert!(matches!(
+            GateError::from(ClientError::from(lost)),
+            GateError::LeaseLost
+        ));
+        let forbidden = Problem {
+            status: 403,
+            code: "forbidden".into(),
+            detail: "no".into(),
+        };
+        assert!(matches!(
+            GateError::from(ClientError::from(forbidden)),
+            GateError::Store(StoreError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn options_without_retries_try_once() {
+        assert_eq!(HttpStoreOptions::without_retries().retry.attempts_max, 1);
+        assert_eq!(HttpStoreOptions::default().retry, RetryPolicy::default());
+        assert!(HttpStore::new("ftp://x", HttpStoreOptions::default()).is_err());
+    }
+}
