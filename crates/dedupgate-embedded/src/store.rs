@@ -10,9 +10,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dedupgate_core::decide::decide_read_only;
 use dedupgate_core::{
-    decide, Change, Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats,
-    SystemClock, Token,
+    Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats, SystemClock,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -507,10 +507,10 @@ impl EmbeddedStore {
         }
     }
 
-    /// Answers `op` from the last durable commit when the answer changes nothing (a duplicate,
-    /// a refusal, a get); `None` when the writer must decide it. Sound because the writer
-    /// publishes each commit's view before it sends that commit's answers (every acknowledged
-    /// change is visible here), and because an id that the commit in flight may change, or any
+    /// Answers `op` from the last durable commit when [`decide_read_only`] says the answer
+    /// changes nothing (a duplicate, a refusal, a get); `None` when the writer must decide it.
+    /// Sound because the writer publishes each commit's view before it sends that commit's
+    /// answers (every acknowledged change is visible here), and because an id that the commit in flight may change, or any
     /// op during which a commit began or ended, is left to the writer (see `PendingIds`): so the
     /// answer's instant never runs ahead of a decision on the same id ordered after it.
     fn answer_from_view(&self, id: &RecordId, op: &Op) -> Option<Result<Outcome, GateError>> {
@@ -530,16 +530,11 @@ impl EmbeddedStore {
             Err(_) => return None,
         };
         let now_ms = self.clock.now_ms();
-        let decision = decide(id, op.clone(), entry.as_ref(), now_ms, || {
-            Token::new("view-answers-never-create-claims")
-        });
+        let answer = decide_read_only(id, op, entry.as_ref(), now_ms);
         if pending.epoch() != epoch {
             return None;
         }
-        match decision.change {
-            Change::Keep => Some(decision.answer),
-            Change::Put(_) => None,
-        }
+        answer
     }
 
     /// Whether `op` is worth trying to answer from the view.
@@ -790,6 +785,12 @@ impl Store for EmbeddedStore {
         let (reply, rx) = oneshot::channel();
         self.send(Request::Stats { reply }).await?;
         rx.await.map_err(|_| writer_gone())?
+    }
+
+    /// Its own sweeper thread (every `sweep_interval_ms`, see [`EmbeddedOptions`]) is the one
+    /// owner that sweeps it.
+    fn sweeps_itself(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {

@@ -24,9 +24,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dedupgate_core::decide::decide_read_only;
 use dedupgate_core::{
-    Claim, Clock, GateError, Mark, Op, Outcome, Record, RecordId, State, Store, StoreError,
-    StoreStats, SystemClock,
+    Claim, Clock, Entry, EntryState, GateError, Mark, Op, Outcome, Record, RecordId, State, Store,
+    StoreError, StoreStats, SystemClock,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -144,7 +145,12 @@ impl TieredStore {
     }
 
     /// The durable record a fast-store answer holds, if it is one this tier may answer with.
-    fn cached_record(&self, id: &RecordId, answer: Result<Outcome, GateError>) -> Option<Record> {
+    fn cached_record(
+        &self,
+        id: &RecordId,
+        answer: Result<Outcome, GateError>,
+        now_ms: u64,
+    ) -> Option<Record> {
         let rec = match answer {
             Ok(Outcome::Found(Some(rec))) => rec,
             Ok(_) => return None,
@@ -155,7 +161,7 @@ impl TieredStore {
         };
         let cached: Cached = serde_json::from_value(rec.result?).ok()?;
         let dur = cached.dedupgate_tiered_v1;
-        let fresh = dur.expires_at_ms > self.clock.now_ms().saturating_add(self.expiry_margin_ms);
+        let fresh = dur.expires_at_ms > now_ms.saturating_add(self.expiry_margin_ms);
         (dur.namespace == id.namespace
             && dur.key == id.key
             && dur.state == State::Completed
@@ -168,19 +174,14 @@ impl TieredStore {
         tracing::debug!(error = %e, "tiered: fast store {what} failed; answering from the durable store");
     }
 
-    /// The op a fast-store record answers, if it does.
-    fn answer_from_cache(op: &Op, dur: Record) -> Option<Outcome> {
-        let mismatch = |given: &Option<String>| matches!((&dur.fingerprint, given), (Some(a), Some(b)) if a != b);
-        match op {
-            Op::Claim { fingerprint, .. } if !mismatch(fingerprint) => {
-                Some(Outcome::Claimed(Claim::Duplicate { record: dur }))
-            }
-            Op::Mark { fingerprint, .. } if !mismatch(fingerprint) => {
-                Some(Outcome::Marked(Mark::Duplicate { record: dur }))
-            }
-            Op::Get => Some(Outcome::Found(Some(dur))),
-            _ => None,
-        }
+    /// The answer a cached durable record gives `op` at `now_ms`, if the cache may give it: the
+    /// answer of [`decide_read_only`] on the record, when it changes nothing and is not a
+    /// refusal. A decision that would write (a free or taken-over key) belongs to the durable
+    /// store, and so does a refusal (a fingerprint mismatch), which the durable store, the
+    /// authority, answers itself.
+    fn answer_from_cache(id: &RecordId, op: &Op, dur: Record, now_ms: u64) -> Option<Outcome> {
+        let entry = completed_entry(dur);
+        decide_read_only(id, op, Some(&entry), now_ms)?.ok()
     }
 
     /// Removes the cache entries of `ids` (best effort).
@@ -227,10 +228,12 @@ impl TieredStore {
                 .map(|&i| (Self::cache_id(&ops[i].0), Op::Get))
                 .collect();
             let found = self.fast_batch(gets).await;
+            let now_ms = self.clock.now_ms();
             for (&i, answer) in lookups.iter().zip(found) {
+                let (id, op) = &ops[i];
                 let hit = self
-                    .cached_record(&ops[i].0, answer)
-                    .and_then(|dur| Self::answer_from_cache(&ops[i].1, dur));
+                    .cached_record(id, answer, now_ms)
+                    .and_then(|dur| Self::answer_from_cache(id, op, dur, now_ms));
                 match hit {
                     Some(outcome) => {
                         self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -318,6 +321,24 @@ impl TieredStore {
     }
 }
 
+/// The stored entry a cached completed record stands for: the token that completed it is not
+/// cached (no answer shows it), and only in-progress entries keep a claim's ttl.
+fn completed_entry(dur: Record) -> Entry {
+    Entry {
+        state: EntryState::Completed,
+        fence: dur.fence,
+        token: None,
+        fingerprint: dur.fingerprint,
+        owner: dur.owner,
+        created_at_ms: dur.created_at_ms,
+        expires_at_ms: dur.expires_at_ms,
+        lease_expires_at_ms: dur.lease_expires_at_ms,
+        completed_at_ms: dur.completed_at_ms,
+        result: dur.result,
+        ttl_ms: None,
+    }
+}
+
 #[async_trait]
 impl Store for TieredStore {
     async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
@@ -337,10 +358,24 @@ impl Store for TieredStore {
         self.durable.health().await
     }
 
+    /// Sweeps each tier that does not sweep itself, so a tier with its own sweeper has one owner.
     async fn sweep_expired(&self, batch_max: usize) -> Result<u64, StoreError> {
-        let durable = self.durable.sweep_expired(batch_max).await?;
-        let fast = self.fast.sweep_expired(batch_max).await.unwrap_or(0);
+        let durable = if self.durable.sweeps_itself() {
+            0
+        } else {
+            self.durable.sweep_expired(batch_max).await?
+        };
+        let fast = if self.fast.sweeps_itself() {
+            0
+        } else {
+            self.fast.sweep_expired(batch_max).await.unwrap_or(0)
+        };
         Ok(durable + fast)
+    }
+
+    /// Only when both tiers do: otherwise a face's sweep timer sweeps the one that does not.
+    fn sweeps_itself(&self) -> bool {
+        self.durable.sweeps_itself() && self.fast.sweeps_itself()
     }
 
     async fn stats(&self) -> Result<StoreStats, StoreError> {
