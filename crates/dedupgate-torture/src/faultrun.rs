@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::delivery::{Delivery, DeliveryMode};
-use crate::faces::HttpStore;
+use crate::faces::{HttpStore, HttpStoreOptions};
 use crate::history::{Event, HAnswer};
 use crate::ledger::{read_answer_logs, read_ledger};
 use crate::lin::{self, LinConfig};
@@ -242,8 +242,11 @@ impl FaultRun {
         }
         let listen = format!("127.0.0.1:{}", free_port()?);
         let http: Arc<dyn Store> = Arc::new(
-            HttpStore::new(&format!("http://{listen}"))
-                .map_err(|e| FaultRunError::Tool(e.to_string()))?,
+            HttpStore::new(
+                &format!("http://{listen}"),
+                HttpStoreOptions::without_retries(),
+            )
+            .map_err(|e| FaultRunError::Tool(e.to_string()))?,
         );
         let mut run = Self {
             run_dir,

@@ -26,7 +26,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::delivery::{Delivery, DeliveryMode};
-use crate::faces::{self, HttpStore};
+use crate::faces::{self, HttpStore, HttpStoreOptions};
 use crate::ledger::{read_answer_logs, read_ledger};
 use crate::lin::{self, LinConfig};
 use crate::oracle::{self, OracleReport};
@@ -320,7 +320,8 @@ fn spawn_gate(cfg: &RunConfig, listen: &str, n: u64) -> std::io::Result<Child> {
 }
 
 async fn wait_healthy(url: &str) -> Result<(), RunError> {
-    let store = HttpStore::new(url).map_err(|e| RunError::Config(e.to_string()))?;
+    let store = HttpStore::new(url, HttpStoreOptions::without_retries())
+        .map_err(|e| RunError::Config(e.to_string()))?;
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         if store.health().await.is_ok() {

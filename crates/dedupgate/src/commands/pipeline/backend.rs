@@ -508,15 +508,16 @@ pub fn describe(spec: &StoreSpec) -> String {
     match spec {
         StoreSpec::Memory => "memory:".to_owned(),
         StoreSpec::Embedded(p) => format!("embedded:{}", p.display()),
-        StoreSpec::Redis(u) | StoreSpec::RedisCluster(u) | StoreSpec::Postgres(u) => {
-            match u.split_once("://") {
-                Some((scheme, rest)) => {
-                    let host = rest.rsplit('@').next().unwrap_or(rest);
-                    format!("{scheme}://{host}")
-                }
-                None => u.clone(),
+        StoreSpec::Redis(u)
+        | StoreSpec::RedisCluster(u)
+        | StoreSpec::Postgres(u)
+        | StoreSpec::Http(u) => match u.split_once("://") {
+            Some((scheme, rest)) => {
+                let host = rest.rsplit('@').next().unwrap_or(rest);
+                format!("{scheme}://{host}")
             }
-        }
+            None => u.clone(),
+        },
         StoreSpec::Tiered(a, b) => format!("tiered:{},{}", describe(a), describe(b)),
     }
 }
