@@ -2,13 +2,19 @@
 //! and opened here, so the binary and the torture harness accept the same spellings.
 //!
 //! - [`StoreSpec`]: a parsed STORE string (`memory:`, a path or `embedded:PATH`, `redis://…`,
-//!   `redis+cluster://…`, `postgres://…`, `tiered:FAST,DURABLE`); parsing fails with a
-//!   [`SpecError`].
-//! - [`open`]: the store a spec names, as an `Arc<dyn Store>`; failures are an
+//!   `redis+cluster://…`, `postgres://…`, `tiered:FAST,DURABLE`, or `http://…`/`https://…`
+//!   for another dedupgate reached over its HTTP API); parsing fails with a [`SpecError`].
+//! - [`open`]: the store a spec names, as an `Arc<dyn Store>` ([`open_with`] when
+//!   [`OpenOptions`] are not the defaults); failures are an
 //!   [`OpenStoreError`] that names the store with its password redacted ([`redact`]) and keeps
 //!   the store's own error as its source (so callers can still match, e.g., a locked directory).
 //! - [`open_or_pending`]: the same, but a store whose server is unavailable at start becomes a
 //!   [`PendingStore`] answering `unavailable` while it keeps opening in the background.
+//!
+//! Each engine is a cargo feature (`embedded`, `redis`, `postgres`, `tiered`, `http`), so a
+//! build can leave out the ones it does not use. Every STORE form still parses in every build;
+//! opening one whose engine was left out is refused with [`OpenStoreError::NotBuilt`], which
+//! names the feature to build with.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -31,6 +37,8 @@ pub enum StoreSpec {
     RedisCluster(String),
     /// `postgres://…` or `postgresql://…`.
     Postgres(String),
+    /// `http://…` or `https://…`: another dedupgate, through its HTTP API.
+    Http(String),
     /// `tiered:FAST,DURABLE` — the fast store answers most duplicates; the durable one decides.
     Tiered(Box<StoreSpec>, Box<StoreSpec>),
 }
@@ -81,6 +89,7 @@ pub enum SpecError {
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
     /// The embedded store refused to open (locked directory, corrupt journal, I/O).
+    #[cfg(feature = "embedded")]
     #[error("cannot open the embedded store{}", unless_named(&dir.display().to_string(), source))]
     Embedded {
         /// The data directory.
@@ -93,6 +102,7 @@ pub enum OpenStoreError {
     #[error("cannot open the embedded store: its open task failed")]
     EmbeddedTask(#[source] tokio::task::JoinError),
     /// The PostgreSQL store refused to open.
+    #[cfg(feature = "postgres")]
     #[error("cannot open the PostgreSQL store{}", unless_named(spec, source))]
     Postgres {
         /// The URL, password redacted.
@@ -102,6 +112,7 @@ pub enum OpenStoreError {
         source: dedupgate_postgres::PgError,
     },
     /// The Redis (or Redis Cluster) store refused to open.
+    #[cfg(feature = "redis")]
     #[error("cannot open the Redis store{}", unless_named(spec, source))]
     Redis {
         /// The URL, password redacted.
@@ -110,16 +121,36 @@ pub enum OpenStoreError {
         #[source]
         source: dedupgate_redis::OpenError,
     },
+    /// The HTTP store's client would not build (the URL is unusable).
+    #[cfg(feature = "http")]
+    #[error("cannot open the HTTP store {spec}: {source}")]
+    Http {
+        /// The URL, password redacted.
+        spec: String,
+        /// The client's error.
+        #[source]
+        source: dedupgate_client::ClientError,
+    },
     /// The fast tier of a tiered store refused to open.
     #[error("cannot open the tiered store's fast tier")]
     TieredFast(#[source] Box<OpenStoreError>),
     /// The durable tier of a tiered store refused to open.
     #[error("cannot open the tiered store's durable tier")]
     TieredDurable(#[source] Box<OpenStoreError>),
+    /// The STORE form names an engine this build left out: refused, rather than guessed at,
+    /// so the user learns which feature to build with.
+    #[error("{form} stores need dedupgate built with the {feature:?} feature")]
+    NotBuilt {
+        /// The form as the user writes it (`redis://`, `embedded:PATH`…).
+        form: &'static str,
+        /// The cargo feature that compiles the engine in.
+        feature: &'static str,
+    },
 }
 
 /// `" {name}"`, or nothing when `source`'s message already names the store (its directory, or
 /// a URL: the PostgreSQL and Redis stores name theirs, the password left out).
+#[cfg(any(feature = "embedded", feature = "redis", feature = "postgres"))]
 fn unless_named(name: &str, source: &dyn std::fmt::Display) -> String {
     let said = source.to_string();
     if said.contains(name) || (name.contains("://") && said.contains("://")) {
@@ -134,6 +165,7 @@ impl OpenStoreError {
     /// the one failure worth waiting out.
     pub fn is_locked(&self) -> bool {
         match self {
+            #[cfg(feature = "embedded")]
             OpenStoreError::Embedded { source, .. } => {
                 matches!(source, dedupgate_embedded::OpenError::Locked { .. })
             }
@@ -149,11 +181,13 @@ impl OpenStoreError {
     /// failures are never this: its disk is local.
     pub fn is_unavailable(&self) -> bool {
         match self {
+            #[cfg(feature = "redis")]
             OpenStoreError::Redis { source, .. } => matches!(
                 source,
                 dedupgate_redis::OpenError::Connect { .. }
                     | dedupgate_redis::OpenError::Unavailable { .. }
             ),
+            #[cfg(feature = "postgres")]
             OpenStoreError::Postgres { source, .. } => {
                 matches!(source, dedupgate_postgres::PgError::Unavailable(_))
             }
@@ -245,6 +279,9 @@ impl std::str::FromStr for StoreSpec {
         if s.starts_with("postgres://") || s.starts_with("postgresql://") {
             return Ok(StoreSpec::Postgres(s.to_owned()));
         }
+        if s.starts_with("http://") || s.starts_with("https://") {
+            return Ok(StoreSpec::Http(s.to_owned()));
+        }
         if let Some((scheme, _)) = s.split_once("://") {
             return Err(SpecError::UnknownScheme {
                 scheme: scheme.to_owned(),
@@ -273,7 +310,9 @@ fn redact_malformed(s: &str) -> String {
 }
 
 /// URL schemes of the store forms, each as it must be written.
-const URL_SCHEMES: [&str; 6] = [
+const URL_SCHEMES: [&str; 8] = [
+    "http",
+    "https",
     "redis",
     "rediss",
     "redis+unix",
@@ -315,7 +354,9 @@ fn malformed_hint(s: &str) -> Option<String> {
 /// Splits `FAST,DURABLE` at the first comma followed by the start of a store spec: cluster
 /// URLs hold commas of their own.
 fn split_tiered(rest: &str) -> Option<(&str, &str)> {
-    const STARTS: [&str; 7] = [
+    const STARTS: [&str; 9] = [
+        "http://",
+        "https://",
         "memory:",
         "embedded:",
         "redis://",
@@ -341,6 +382,7 @@ impl Default for StoreSpec {
 
 /// Opens the embedded store in `dir` with `options`, as itself rather than as a [`Store`] (for
 /// what only it offers, such as its key set).
+#[cfg(feature = "embedded")]
 pub async fn open_embedded(
     dir: &std::path::Path,
     options: dedupgate_embedded::EmbeddedOptions,
@@ -356,11 +398,49 @@ pub async fn open_embedded(
     Ok(Arc::new(store))
 }
 
-/// Opens the store a spec names.
+/// How stores are opened beyond what their STORE string says.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenOptions {
+    /// How an `http://…` store calls its server (by default the client's safe retries).
+    #[cfg(feature = "http")]
+    pub http: dedupgate_client::HttpStoreOptions,
+}
+
+/// Opens the store a spec names, with the default [`OpenOptions`].
 pub async fn open(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenStoreError> {
+    open_with(spec, &OpenOptions::default()).await
+}
+
+/// Opens the store a spec names, as `options` say.
+// Only the HTTP store reads the options, and a tiered store passes them to its tiers.
+#[cfg_attr(
+    not(any(feature = "http", feature = "tiered")),
+    allow(unused_variables)
+)]
+pub async fn open_with(
+    spec: &StoreSpec,
+    options: &OpenOptions,
+) -> Result<Arc<dyn Store>, OpenStoreError> {
     match spec {
         StoreSpec::Memory => Ok(Arc::new(MemoryStore::new())),
+        #[cfg(feature = "http")]
+        StoreSpec::Http(url) => {
+            let store = dedupgate_client::HttpStore::new(url, options.http).map_err(|source| {
+                OpenStoreError::Http {
+                    spec: redact(url),
+                    source,
+                }
+            })?;
+            Ok(Arc::new(store))
+        }
+        // The binary's feature, named as the user builds it (this crate's is `http`).
+        #[cfg(not(feature = "http"))]
+        StoreSpec::Http(_) => Err(not_built("http://", "http-client")),
+        #[cfg(feature = "embedded")]
         StoreSpec::Embedded(dir) => Ok(open_embedded(dir, Default::default()).await?),
+        #[cfg(not(feature = "embedded"))]
+        StoreSpec::Embedded(_) => Err(not_built("embedded:PATH (or a path)", "embedded")),
+        #[cfg(feature = "postgres")]
         StoreSpec::Postgres(url) => {
             let store = dedupgate_postgres::PgStore::open(url)
                 .await
@@ -370,6 +450,9 @@ pub async fn open(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenStoreError> {
                 })?;
             Ok(Arc::new(store))
         }
+        #[cfg(not(feature = "postgres"))]
+        StoreSpec::Postgres(_) => Err(not_built("postgres://", "postgres")),
+        #[cfg(feature = "redis")]
         StoreSpec::Redis(url) | StoreSpec::RedisCluster(url) => {
             let store = dedupgate_redis::RedisStore::open(url)
                 .await
@@ -379,16 +462,35 @@ pub async fn open(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenStoreError> {
                 })?;
             Ok(Arc::new(store))
         }
+        #[cfg(not(feature = "redis"))]
+        StoreSpec::Redis(_) => Err(not_built("redis://", "redis")),
+        #[cfg(not(feature = "redis"))]
+        StoreSpec::RedisCluster(_) => Err(not_built("redis+cluster://", "redis")),
+        #[cfg(feature = "tiered")]
         StoreSpec::Tiered(fast, durable) => {
-            let fast = Box::pin(open(fast))
+            let fast = Box::pin(open_with(fast, options))
                 .await
                 .map_err(|e| OpenStoreError::TieredFast(Box::new(e)))?;
-            let durable = Box::pin(open(durable))
+            let durable = Box::pin(open_with(durable, options))
                 .await
                 .map_err(|e| OpenStoreError::TieredDurable(Box::new(e)))?;
             Ok(Arc::new(dedupgate_tiered::TieredStore::new(fast, durable)))
         }
+        #[cfg(not(feature = "tiered"))]
+        StoreSpec::Tiered(..) => Err(not_built("tiered:", "tiered")),
     }
+}
+
+/// The refusal of a STORE form whose engine this build left out.
+#[cfg(not(all(
+    feature = "embedded",
+    feature = "redis",
+    feature = "postgres",
+    feature = "tiered",
+    feature = "http"
+)))]
+fn not_built(form: &'static str, feature: &'static str) -> OpenStoreError {
+    OpenStoreError::NotBuilt { form, feature }
 }
 
 #[cfg(test)]
@@ -416,6 +518,21 @@ mod tests {
                 Box::new(StoreSpec::Postgres("postgres://u@h/db".into()))
             )
         );
+        assert_eq!(
+            "http://127.0.0.1:7878".parse::<StoreSpec>().unwrap(),
+            StoreSpec::Http("http://127.0.0.1:7878".into())
+        );
+        assert_eq!(
+            " https://gate.example/base ".parse::<StoreSpec>().unwrap(),
+            StoreSpec::Http("https://gate.example/base".into())
+        );
+        assert_eq!(
+            "tiered:memory:,http://h:1".parse::<StoreSpec>().unwrap(),
+            StoreSpec::Tiered(
+                Box::new(StoreSpec::Memory),
+                Box::new(StoreSpec::Http("http://h:1".into()))
+            )
+        );
         assert!("ftp://x".parse::<StoreSpec>().is_err());
         assert!("".parse::<StoreSpec>().is_err());
         assert!("tiered:memory:".parse::<StoreSpec>().is_err());
@@ -430,6 +547,7 @@ mod tests {
             err("memory:foo")
         );
         assert!(err("redis:/host").contains("did you mean redis://host?"));
+        assert!(err("http:/h:7878").contains("did you mean http://h:7878?"));
         assert!(err("rediss:host:6380").contains("did you mean rediss://host:6380?"));
         assert!(err("postgresql:/u@h/db").contains("did you mean postgresql://u@h/db?"));
         assert!(err("Redis://h").contains("\"Redis\""));
@@ -451,6 +569,11 @@ mod tests {
     fn masks_only_a_password_that_was_given() {
         assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
         assert_eq!(redact("redis://h:6379"), "redis://h:6379");
+        assert_eq!(redact("http://h:7878"), "http://h:7878");
+        assert_eq!(
+            redact("https://u:pw@gate.example:8443/base"),
+            "https://u:***@gate.example:8443/base"
+        );
         assert_eq!(redact("redis://:pw@h:6379/0"), "redis://:***@h:6379/0");
         assert_eq!(
             redact("tiered:redis://u:one@h:1,postgres://u:two@h/db"),
@@ -460,6 +583,70 @@ mod tests {
             redact("redis+cluster://u:pw@a:1,b:2"),
             "redis+cluster://u:***@a:1,b:2"
         );
+    }
+
+    /// Every form parses in every build; opening one whose engine was left out is refused by
+    /// name, with the feature to build with, and is no passing unavailability.
+    #[tokio::test]
+    async fn a_form_whose_engine_was_left_out_names_its_feature() {
+        let left_out: Vec<(&str, &str)> = [
+            (
+                "embedded:./no-such-dir",
+                "embedded",
+                cfg!(feature = "embedded"),
+            ),
+            ("redis://127.0.0.1:1", "redis", cfg!(feature = "redis")),
+            (
+                "redis+cluster://127.0.0.1:1",
+                "redis",
+                cfg!(feature = "redis"),
+            ),
+            (
+                "postgres://u@127.0.0.1:1/db",
+                "postgres",
+                cfg!(feature = "postgres"),
+            ),
+            ("tiered:memory:,memory:", "tiered", cfg!(feature = "tiered")),
+            ("http://127.0.0.1:1", "http-client", cfg!(feature = "http")),
+        ]
+        .into_iter()
+        .filter(|(_, _, built)| !built)
+        .map(|(spec, feature, _)| (spec, feature))
+        .collect();
+        for (spec, feature) in left_out {
+            let err = open(&spec.parse().unwrap()).await.err().expect(spec);
+            let form = spec
+                .split_once("//")
+                .map_or(spec.split(':').next().unwrap(), |p| p.0);
+            let said = err.to_string();
+            assert!(said.starts_with(form), "{spec}: {said}");
+            assert!(
+                said.ends_with(&format!(
+                    "need dedupgate built with the \"{feature}\" feature"
+                )),
+                "{spec}: {said}"
+            );
+            assert!(!err.is_unavailable() && !err.is_locked(), "{spec}");
+        }
+        assert!(open(&StoreSpec::Memory).await.is_ok());
+    }
+
+    /// An `http://` store is the client's: it opens without a server (nothing is sent until
+    /// a call) and a call to no server is an unknown outcome, not a refusal.
+    #[cfg(feature = "http")]
+    #[tokio::test]
+    async fn an_http_store_opens_and_a_call_to_no_server_is_unavailable() {
+        let options = OpenOptions {
+            http: dedupgate_client::HttpStoreOptions::without_retries(),
+        };
+        let store = open_with(&"http://127.0.0.1:1".parse().unwrap(), &options)
+            .await
+            .unwrap();
+        assert_eq!(store.describe(), "http: http://127.0.0.1:1");
+        assert!(matches!(
+            store.health().await,
+            Err(dedupgate_core::StoreError::Unavailable(_))
+        ));
     }
 
     #[test]

@@ -211,14 +211,18 @@ fn spec_text(spec: &StoreSpec) -> String {
     match spec {
         StoreSpec::Memory => "memory:".to_owned(),
         StoreSpec::Embedded(dir) => format!("embedded:{}", dir.display()),
-        StoreSpec::Redis(u) | StoreSpec::RedisCluster(u) | StoreSpec::Postgres(u) => u.clone(),
+        StoreSpec::Redis(u)
+        | StoreSpec::RedisCluster(u)
+        | StoreSpec::Postgres(u)
+        | StoreSpec::Http(u) => u.clone(),
         StoreSpec::Tiered(fast, durable) => {
             format!("tiered:{},{}", spec_text(fast), spec_text(durable))
         }
     }
 }
 
-#[cfg(test)]
+// Both tests open Redis stores, inside a tiered store too.
+#[cfg(all(test, feature = "redis", feature = "tiered"))]
 mod tests {
     use super::*;
 
@@ -291,6 +295,7 @@ mod tests {
     /// A server that answers but refuses the store (a wrong Redis password, a PostgreSQL
     /// database that does not exist) is an error at once, never a pending store retrying in
     /// the background.
+    #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_refusal_by_a_running_server_is_refused_not_pending() {
         use dedupgate_redis::testkit::RedisServer;
