@@ -3,15 +3,15 @@
 
 use std::collections::HashMap;
 
-use dedupgate_core::decide::FENCE_PER_MS;
-use dedupgate_core::{GateError, Op, Outcome, StoreError, Token};
+use dedupgate_core::{GateError, Op, Outcome, StoreError};
 use futures::stream::{self, StreamExt};
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, Value};
 
 use crate::cluster::{by_slot, CLUSTER_GROUPS_IN_FLIGHT_MAX};
 use crate::conn::Conn;
-use crate::reply::{decode, server_error, time_ms};
+use crate::record::{decide_absent, encode_entry};
+use crate::reply::{server_error, time_ms};
 use crate::store::{Inner, Prepared};
 
 /// Fewest claims and marks of fresh-looking keys in one `apply_batch` for which the native
@@ -40,9 +40,10 @@ impl Inner {
     /// 1. one `TIME` (Redis's clock, never the gate's) for the batch;
     /// 2. per claim or mark whose record appears once in the batch, a native
     ///    `SET key <record> NX GET PXAT <expiry + keep>` in one pipeline (per slot on a
-    ///    cluster), where `<record>` is byte for byte what `decide.lua` writes for a new claim
-    ///    or mark decided at that time. A nil reply means the key did not exist: the op is
-    ///    decided, with the answer the script gives as its short replies `1` and `2`;
+    ///    cluster), where `<record>` is the entry `decide` stores for a new claim or mark at
+    ///    that time, byte for byte as `decide.lua` writes it. A nil reply means the key did not
+    ///    exist: the op is decided, with `decide`'s answer (the script's short replies `1` and
+    ///    `2` answer the same);
     /// 3. an op whose `SET` found a value (a live, expired or released record) goes through the
     ///    script afterwards, which decides afresh on the record as it is then. Each op thus still
     ///    takes effect in one atomic step: the `SET NX` that created its record, or its script
@@ -197,10 +198,11 @@ impl Inner {
             .start_pipeline(group.len() + 2, group.len(), guard);
         let mut record = Vec::new();
         let mut sent = Vec::with_capacity(group.len());
+        let mut answers = Vec::with_capacity(group.len());
         let mut found = Vec::new();
         for p in group {
-            match fresh_record(&p.op, p.token.as_ref(), now_ms, &mut record) {
-                Some(expires_at_ms) => {
+            match fresh_record(&p, now_ms, &mut record) {
+                Some((expires_at_ms, answer)) => {
                     let key = &p.keys.record[..];
                     // SET, NX, GET, PXAT and the 13-digit time: under 64 bytes.
                     let mut cmd = Cmd::with_capacity(7, key.len() + record.len() + 64);
@@ -213,6 +215,7 @@ impl Inner {
                         .arg(expires_at_ms + keep);
                     pipe.add_command(cmd);
                     sent.push(p);
+                    answers.push(answer);
                 }
                 None => found.push(p),
             }
@@ -250,9 +253,9 @@ impl Inner {
         let mut values = values.into_iter();
         let mut decided = Vec::new();
         let mut created = Vec::new();
-        for p in sent {
+        for (p, answer) in sent.into_iter().zip(answers) {
             match values.next().unwrap_or(Value::Nil) {
-                Value::Nil => created.push(p),
+                Value::Nil => created.push((p, answer)),
                 Value::BulkString(_) => found.push(p),
                 Value::ServerError(e) => {
                     decided.push((p.index, Err(GateError::Store(server_error(e)))));
@@ -283,7 +286,10 @@ impl Inner {
                 end_ms.map_or("?".to_owned(), |e| e.saturating_sub(now_ms).to_string())
             );
             tracing::warn!("{why}");
-            decided.extend(unavailable(created, &why));
+            decided.extend(unavailable(
+                created.into_iter().map(|(p, _)| p).collect(),
+                &why,
+            ));
             return (decided, found);
         }
         if let Some(acked) = wait_acked {
@@ -294,117 +300,26 @@ impl Inner {
                     self.opts.wait_replicas,
                     self.opts.wait_timeout_ms
                 );
-                decided.extend(unavailable(created, &why));
+                decided.extend(unavailable(
+                    created.into_iter().map(|(p, _)| p).collect(),
+                    &why,
+                ));
                 return (decided, found);
             }
         }
-        for p in created {
-            let short = if matches!(p.op, Op::Claim { .. }) {
-                1
-            } else {
-                2
-            };
-            let answer = decode(&p, Some(now_ms), Value::Int(short));
-            decided.push((p.index, answer));
+        // The SET found no key: the op is decided as `decide` decided it at `now_ms`.
+        for (p, answer) in created {
+            decided.push((p.index, Ok(answer)));
         }
         (decided, found)
     }
 }
 
-/// Writes to `out` the record `decide.lua` writes for a new claim or mark of a key that does
-/// not exist, decided at `now_ms`, byte for byte (the script's `enc`: a MessagePack array of
-/// 11 as Redis's cmsgpack packs it, `false` for none; see the script's header). Returns the
-/// record's `expires_at_ms`, or `None` for other ops (and a claim or mark without its fresh token).
-fn fresh_record(op: &Op, token: Option<&Token>, now_ms: u64, out: &mut Vec<u8>) -> Option<u64> {
-    const FALSE: u8 = 0xc2;
-    fn text(out: &mut Vec<u8>, s: &[u8]) {
-        // cmsgpack's string headers: fixstr below 32 bytes, then str8, str16, str32.
-        let n = s.len();
-        if n < 32 {
-            out.push(0xa0 | n as u8);
-        } else if n <= 0xff {
-            out.extend_from_slice(&[0xd9, n as u8]);
-        } else if n <= 0xffff {
-            out.push(0xda);
-            out.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            out.push(0xdb);
-            out.extend_from_slice(&(n as u32).to_be_bytes());
-        }
-        out.extend_from_slice(s);
-    }
-    fn opt_text(out: &mut Vec<u8>, s: Option<&str>) {
-        match s {
-            Some(s) => text(out, s.as_bytes()),
-            None => out.push(FALSE),
-        }
-    }
-    fn int(out: &mut Vec<u8>, n: u64) {
-        // cmsgpack's unsigned integers: the shortest of fixint, uint8/16/32/64.
-        if n <= 0x7f {
-            out.push(n as u8);
-        } else if n <= 0xff {
-            out.extend_from_slice(&[0xcc, n as u8]);
-        } else if n <= 0xffff {
-            out.push(0xcd);
-            out.extend_from_slice(&(n as u16).to_be_bytes());
-        } else if n <= 0xffff_ffff {
-            out.push(0xce);
-            out.extend_from_slice(&(n as u32).to_be_bytes());
-        } else {
-            out.push(0xcf);
-            out.extend_from_slice(&n.to_be_bytes());
-        }
-    }
-    out.clear();
-    let fence = now_ms * FENCE_PER_MS;
-    match op {
-        Op::Claim {
-            ttl_ms,
-            lease_ms,
-            fingerprint,
-            owner,
-        } => {
-            let token = token?;
-            let lease_expires_at_ms = now_ms + lease_ms;
-            let expires_at_ms = (now_ms + ttl_ms).max(lease_expires_at_ms);
-            out.push(0x9b);
-            text(out, b"i");
-            int(out, fence);
-            text(out, token.as_str().as_bytes());
-            opt_text(out, fingerprint.as_deref());
-            opt_text(out, owner.as_deref());
-            int(out, now_ms);
-            int(out, expires_at_ms);
-            int(out, lease_expires_at_ms);
-            out.extend_from_slice(&[FALSE, FALSE]);
-            int(out, *ttl_ms);
-            Some(expires_at_ms)
-        }
-        Op::Mark {
-            ttl_ms,
-            fingerprint,
-            result,
-        } => {
-            let token = token?;
-            let expires_at_ms = now_ms + ttl_ms;
-            out.push(0x9b);
-            text(out, b"c");
-            int(out, fence);
-            text(out, token.as_str().as_bytes());
-            opt_text(out, fingerprint.as_deref());
-            out.push(FALSE);
-            int(out, now_ms);
-            int(out, expires_at_ms);
-            out.push(FALSE);
-            int(out, now_ms);
-            match result {
-                Some(v) => text(out, v.to_string().as_bytes()),
-                None => out.push(FALSE),
-            }
-            out.push(FALSE);
-            Some(expires_at_ms)
-        }
-        _ => None,
-    }
+/// Writes to `out` the record the script writes for a new claim or mark of a key that does not
+/// exist, decided at `now_ms` ([`decide_absent`]), byte for byte ([`encode_entry`]); returns
+/// its `expires_at_ms` and the answer, or `None` for other ops.
+fn fresh_record(p: &Prepared, now_ms: u64, out: &mut Vec<u8>) -> Option<(u64, Outcome)> {
+    let (entry, answer) = decide_absent(p, now_ms)?;
+    encode_entry(&entry, out);
+    Some((entry.expires_at_ms, answer))
 }

@@ -14,6 +14,8 @@
 //! - [`RedisOptions`]: durability (`WAIT` replicas), key prefix and timeouts, read from the URL's
 //!   query string.
 //! - [`keys`]: the key layout — one key per record, under a hash tag derived from its id.
+//! - [`record`]: a stored record's bytes, read back as the core's entry
+//!   ([`record::decode_record`]); a new key's record comes from [`dedupgate_core::decide`].
 //! - [`OpenError`]: why a store would not open (bad URL, unreachable server or an answer lost
 //!   on the way, refused authentication or connection setup, an eviction policy that could
 //!   drop records).
@@ -33,6 +35,7 @@ mod conn;
 mod fast_path;
 pub mod keys;
 mod options;
+pub mod record;
 mod reply;
 mod script;
 mod store;

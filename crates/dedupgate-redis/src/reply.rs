@@ -1,12 +1,12 @@
 //! Reading Redis's replies: a script reply into the op's outcome, a record's fields, numbers,
 //! text and `TIME`, and an error reply into a store error.
 
-use dedupgate_core::decide::FENCE_PER_MS;
 use dedupgate_core::{
     Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, StoreError, Token,
 };
 use redis::Value;
 
+use crate::record::decide_absent;
 use crate::store::Prepared;
 
 /// A `TIME` reply (seconds and microseconds, as text) in ms.
@@ -57,47 +57,15 @@ pub(crate) fn decode(p: &Prepared, now: Option<u64>, v: Value) -> Result<Outcome
     let items = match v {
         Value::Array(items) => items,
         Value::Int(short) => {
+            // The key did not exist: the script decided as `decide` does for a new key.
             let now = now.ok_or_else(|| corrupt("no time"))?;
-            let fence = now * FENCE_PER_MS;
-            return match (short, op, &p.token) {
-                (
-                    1,
-                    Op::Claim {
-                        ttl_ms, lease_ms, ..
-                    },
-                    Some(token),
-                ) => {
-                    let lease_expires_at_ms = now + lease_ms;
-                    Ok(Outcome::Claimed(Claim::New(Lease {
-                        token: token.clone(),
-                        fence,
-                        lease_expires_at_ms,
-                        expires_at_ms: (now + ttl_ms).max(lease_expires_at_ms),
-                    })))
-                }
-                (
-                    2,
-                    Op::Mark {
-                        ttl_ms,
-                        fingerprint,
-                        result,
-                    },
-                    _,
-                ) => Ok(Outcome::Marked(Mark::New {
-                    record: Record {
-                        namespace: id.namespace.clone(),
-                        key: id.key.clone(),
-                        state: State::Completed,
-                        fence,
-                        fingerprint: fingerprint.clone(),
-                        owner: None,
-                        created_at_ms: now,
-                        expires_at_ms: now + ttl_ms,
-                        lease_expires_at_ms: None,
-                        completed_at_ms: Some(now),
-                        result: result.clone(),
-                    },
-                })),
+            let expected = match op {
+                Op::Claim { .. } => 1,
+                Op::Mark { .. } => 2,
+                _ => 0,
+            };
+            return match decide_absent(p, now) {
+                Some((_, answer)) if short == expected => Ok(answer),
                 _ => Err(corrupt(&format!("{short} does not answer {}", op.name()))),
             };
         }

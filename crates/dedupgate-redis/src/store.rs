@@ -253,6 +253,11 @@ impl Store for RedisStore {
         Ok(0)
     }
 
+    /// Records carry their expiry (PXAT): Redis is the one that removes them.
+    fn sweeps_itself(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         self.inner.describe.clone()
     }
