@@ -190,8 +190,13 @@ fn is_connection_error(e: &std::io::Error) -> bool {
 }
 
 /// Removes expired records in bounded batches: a full batch is followed at once by another, a
-/// partial one by a pause of `sweep_interval_ms`.
+/// partial one by a pause of `sweep_interval_ms`. A store that sweeps itself (the embedded
+/// store's own sweeper) is left to it, so each store has one sweeper; its own count still
+/// reaches `swept_total` through its stats.
 async fn sweep_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    if state.store().sweeps_itself() {
+        return;
+    }
     let config = state.config();
     let pause = Duration::from_millis(config.sweep_interval_ms.max(1));
     let batch_max = config.sweep_batch_max.max(1);
