@@ -133,7 +133,8 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Bearer tokens; empty means auth is off.
     pub tokens: Vec<TokenRule>,
-    /// Pause between sweeps of expired records.
+    /// Pause between sweeps of expired records, of a store that does not sweep itself (see
+    /// `Store::sweeps_itself`).
     pub sweep_interval_ms: u64,
     /// Most records one sweep call removes, so a sweep never holds the store for long.
     pub sweep_batch_max: usize,

@@ -390,3 +390,68 @@ impl Store for TieredStore {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completed(id: &RecordId) -> Record {
+        Record {
+            namespace: id.namespace.clone(),
+            key: id.key.clone(),
+            state: State::Completed,
+            fence: 7_000,
+            fingerprint: Some("fp".into()),
+            owner: None,
+            created_at_ms: 100,
+            expires_at_ms: 10_000,
+            lease_expires_at_ms: None,
+            completed_at_ms: Some(150),
+            result: Some(serde_json::json!({"ok": true})),
+        }
+    }
+
+    fn claim(fingerprint: Option<&str>) -> Op {
+        Op::Claim {
+            ttl_ms: 1_000,
+            lease_ms: 1_000,
+            fingerprint: fingerprint.map(str::to_owned),
+            owner: None,
+        }
+    }
+
+    #[test]
+    fn a_cached_record_answers_duplicates_and_gets_as_the_durable_store_would() {
+        let id = RecordId::new("ns", "k").unwrap();
+        let rec = completed(&id);
+        let answer = |op: &Op| TieredStore::answer_from_cache(&id, op, rec.clone(), 500);
+        assert_eq!(
+            answer(&claim(Some("fp"))),
+            Some(Outcome::Claimed(Claim::Duplicate {
+                record: rec.clone()
+            }))
+        );
+        let mark = Op::Mark {
+            ttl_ms: 1_000,
+            fingerprint: None,
+            result: None,
+        };
+        assert_eq!(
+            answer(&mark),
+            Some(Outcome::Marked(Mark::Duplicate {
+                record: rec.clone()
+            }))
+        );
+        assert_eq!(answer(&Op::Get), Some(Outcome::Found(Some(rec.clone()))));
+    }
+
+    #[test]
+    fn refusals_and_writes_go_to_the_durable_store() {
+        let id = RecordId::new("ns", "k").unwrap();
+        let rec = completed(&id);
+        let answer = |op: &Op, now_ms| TieredStore::answer_from_cache(&id, op, rec.clone(), now_ms);
+        assert_eq!(answer(&claim(Some("other")), 500), None, "a mismatch");
+        assert_eq!(answer(&Op::Forget, 500), None, "forget writes");
+        assert_eq!(answer(&claim(None), 10_000), None, "expired: a new claim");
+    }
+}
