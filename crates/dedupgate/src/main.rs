@@ -24,9 +24,11 @@ enum Command {
     #[command(flatten)]
     Api(commands::api::ApiCommand),
     /// HTTP load against a running gate: claims/s and p50/p99.
+    #[cfg(feature = "http-client")]
     #[command(after_help = commands::help::BENCH)]
     Bench(commands::bench::BenchArgs),
     /// The Idempotency-Key reverse proxy in front of an HTTP API (API.md).
+    #[cfg(feature = "proxy")]
     #[command(after_help = commands::help::SERVE)]
     Proxy(commands::proxy::ProxyArgs),
     /// Run CMD at most once per key within the ttl (the cron gate).
@@ -55,7 +57,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => commands::serve::run(args),
         Command::Api(cmd) => commands::api::run(cmd),
+        #[cfg(feature = "http-client")]
         Command::Bench(args) => commands::bench::run(args),
+        #[cfg(feature = "proxy")]
         Command::Proxy(args) => commands::proxy::run(args),
         Command::Run(args) => commands::run::run(args),
         Command::Dedup(args) => commands::dedup::run(args),

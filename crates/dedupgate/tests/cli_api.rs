@@ -96,6 +96,7 @@ fn store_strings_that_only_look_like_paths_are_refused_and_create_nothing() {
     assert!(created.is_empty(), "{created:?}");
 }
 
+#[cfg(feature = "postgres")]
 #[test]
 fn a_store_that_cannot_be_reached_is_named_once_with_only_a_real_password_masked() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -147,6 +148,7 @@ fn free_port() -> u16 {
         .port()
 }
 
+#[cfg(all(feature = "proxy", feature = "http-client"))]
 #[test]
 fn a_store_in_use_hints_what_fits_the_command() {
     let dir = tempfile::tempdir().unwrap();

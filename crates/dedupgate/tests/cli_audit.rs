@@ -201,17 +201,20 @@ fn reconciles_a_destination_with_its_source_per_key_and_per_window() {
 }
 
 /// A table in the local PostgreSQL, dropped on drop.
+#[cfg(feature = "postgres")]
 struct Table {
     url: String,
     name: String,
 }
 
+#[cfg(feature = "postgres")]
 impl Drop for Table {
     fn drop(&mut self) {
         let _ = psql(&self.url, &format!("DROP TABLE IF EXISTS {}", self.name));
     }
 }
 
+#[cfg(feature = "postgres")]
 fn psql(url: &str, sql: &str) -> Output {
     Command::new("psql")
         .args([url, "-v", "ON_ERROR_STOP=1", "-qAtc", sql])
@@ -219,6 +222,7 @@ fn psql(url: &str, sql: &str) -> Output {
         .expect("psql runs")
 }
 
+#[cfg(feature = "postgres")]
 #[test]
 fn audits_a_postgres_table_and_query() {
     let url = std::env::var("DEDUPGATE_TEST_POSTGRES_URL")

@@ -586,6 +586,7 @@ fn ledger_with_keep_last_and_emit_id() {
     assert_eq!(out(&again), "");
 }
 
+#[cfg(feature = "http-client")]
 #[test]
 fn ledger_on_a_server() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -1082,6 +1083,7 @@ fn gate_records_of_the_ledger_namespace_still_count() {
 }
 
 /// Claims `key` in the ledger as another run would (`owner`, `lease`); its token.
+#[cfg(feature = "redis")]
 fn claim_for_another_run(store: &str, ns: &str, key: &str, lease: &str, owner: &str) -> String {
     let held = dg()
         .args(["claim", "--store", store, "-n", ns, "-k", key])
@@ -1097,6 +1099,7 @@ fn claim_for_another_run(store: &str, ns: &str, key: &str, lease: &str, owner: &
 /// than a lease ago, or one still writing) was counted as a duplicate, so a run restarted
 /// right after a crash never emitted it. The run now waits for the holder: here a claim of a
 /// run that died, with a 2 s lease, on a gate ledger in the local Redis.
+#[cfg(feature = "redis")]
 #[test]
 fn a_key_another_run_holds_is_waited_for_not_dropped() {
     let dir = tempfile::tempdir().unwrap();
@@ -1138,6 +1141,7 @@ fn a_key_another_run_holds_is_waited_for_not_dropped() {
 /// Found by review: a run waiting for a key another run held kept the claims its own batch
 /// had got, so two runs whose batches each held a key the other waited for waited for each
 /// other until a lease ran out. A waiting run holds none of its batch's keys.
+#[cfg(feature = "redis")]
 #[test]
 fn a_run_waiting_for_a_held_key_holds_none_of_its_own() {
     let dir = tempfile::tempdir().unwrap();

@@ -144,6 +144,7 @@ impl Drop for Server {
     }
 }
 
+#[cfg(feature = "http-client")]
 #[test]
 fn a_closed_stdout_ends_bench_quietly() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")

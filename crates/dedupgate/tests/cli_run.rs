@@ -628,6 +628,7 @@ impl Drop for Server {
     }
 }
 
+#[cfg(feature = "http-client")]
 fn serve() -> Server {
     serve_on("memory:")
 }
@@ -761,6 +762,7 @@ fn a_signal_while_run_waits_for_the_store_exits_128_plus_n() {
 /// locked) while CMD ran, so a second trigger waited out `--lock-wait` and failed (125)
 /// instead of saying the key is held and skipping. Like a plain embedded store, the tiered one
 /// is opened around each call only.
+#[cfg(feature = "tiered")]
 #[test]
 fn a_tiered_store_with_an_embedded_tier_is_not_held_while_cmd_runs() {
     let env = Env::new("tiered");
@@ -797,6 +799,7 @@ fn a_tiered_store_with_an_embedded_tier_is_not_held_while_cmd_runs() {
     assert_eq!(code(&first), 0, "{}", stderr(&first));
 }
 
+#[cfg(feature = "http-client")]
 #[test]
 fn run_against_a_server() {
     let env = Env::new("server");

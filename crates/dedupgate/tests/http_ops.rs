@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 const KEYS: usize = 40;
 const CLIENTS: usize = 64;
 
+#[cfg(feature = "redis")]
 #[test]
 fn sixty_four_clients_on_overlapping_keys_get_one_new_per_key() {
     let s = serve(&["--store", "memory:"]);
@@ -87,11 +88,13 @@ fn sixty_four_clients_on_overlapping_keys_get_one_new_per_key() {
 /// A gate over a redis-server of its own, whose requests can be made to wait in the store: the
 /// server is paused (SIGSTOP) and resumed. A request's in-flight slot is taken once its body has
 /// arrived (a slow body holds none), so a request waiting on its store is what holds one.
+#[cfg(feature = "redis")]
 struct PausableGate {
     redis: OwnRedis,
     server: Server,
 }
 
+#[cfg(feature = "redis")]
 impl PausableGate {
     fn start(args: &[&str]) -> Self {
         let redis = OwnRedis::start(free_port());
@@ -134,6 +137,7 @@ impl PausableGate {
     }
 }
 
+#[cfg(feature = "redis")]
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -142,6 +146,7 @@ fn free_port() -> u16 {
         .port()
 }
 
+#[cfg(all(feature = "redis", feature = "http-client"))]
 #[test]
 fn in_flight_cap_answers_503_with_retry_after_and_clients_retry() {
     let g = PausableGate::start(&["--in-flight-max", "1", "--request-timeout", "60s"]);
@@ -180,6 +185,7 @@ fn in_flight_cap_answers_503_with_retry_after_and_clients_retry() {
     assert!(s.record("cap", "k").is_none(), "the 503 decided nothing");
 }
 
+#[cfg(feature = "redis")]
 #[test]
 fn slow_decisions_time_out_with_503() {
     let g = PausableGate::start(&["--request-timeout", "300ms"]);
@@ -443,6 +449,7 @@ fn cli(args: &[&str]) -> (i32, Value, String) {
     )
 }
 
+#[cfg(feature = "http-client")]
 #[test]
 fn cli_api_subcommands_against_the_server() {
     let s = serve(&["--store", "memory:"]);
@@ -499,6 +506,7 @@ fn cli_api_subcommands_against_the_server() {
 /// Found by an adversarial run: `get` exited 1 both for "no record" and for a server it could
 /// not reach, so a script that runs work when `get` fails would run it twice while the server
 /// is down. "Could not ask" is exit 3, for every API subcommand.
+#[cfg(feature = "http-client")]
 #[test]
 fn cli_api_subcommands_tell_could_not_ask_from_no_record() {
     // Port 1: nothing listens there (a free port found by binding could be taken meanwhile by
@@ -533,6 +541,7 @@ fn cli_api_subcommands_tell_could_not_ask_from_no_record() {
 /// server's 404 for an unknown path, whose code is `not_found` like a missing record's: `get`
 /// said "no live record" (exit 1) for every key. The unknown-path 404 has a type of its own
 /// now; the client reports it as "could not ask" (exit 3), for every API subcommand.
+#[cfg(feature = "http-client")]
 #[test]
 fn cli_api_subcommands_tell_a_wrong_base_url_from_no_record() {
     let s = serve(&["--store", "memory:"]);
@@ -606,11 +615,13 @@ fn concurrent_api_subcommands_on_one_store_directory_wait_their_turn() {
 }
 
 /// A redis-server of our own on a free port (killed on drop), so the test can take it away.
+#[cfg(feature = "redis")]
 struct OwnRedis {
     child: std::process::Child,
     port: u16,
 }
 
+#[cfg(feature = "redis")]
 impl OwnRedis {
     fn start(port: u16) -> Self {
         let child = Command::new("redis-server")
@@ -640,12 +651,14 @@ impl OwnRedis {
     }
 }
 
+#[cfg(feature = "redis")]
 impl Drop for OwnRedis {
     fn drop(&mut self) {
         self.stop();
     }
 }
 
+#[cfg(feature = "redis")]
 #[test]
 fn unavailable_while_the_store_is_down_and_back_after() {
     let mut redis = OwnRedis::start(free_port());
@@ -686,11 +699,13 @@ fn unavailable_while_the_store_is_down_and_back_after() {
 /// A loopback relay in front of the real server that passes every connection through, but for
 /// the first: that one's request reaches the server and its answer is dropped (the connection
 /// is closed once the server has answered), as when a network loses an answer.
+#[cfg(feature = "http-client")]
 struct AnswerLosingRelay {
     addr: std::net::SocketAddr,
     dropped: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
+#[cfg(feature = "http-client")]
 impl AnswerLosingRelay {
     fn start(upstream: std::net::SocketAddr) -> Self {
         use std::io::Read;
@@ -735,6 +750,7 @@ impl AnswerLosingRelay {
 /// released), so the client looks the key up and, finding it free, reports the release done;
 /// the key is free for the next claim. A release whose key someone else holds stays
 /// `lease_lost`.
+#[cfg(feature = "http-client")]
 #[test]
 fn a_release_whose_answer_was_lost_is_reported_done_by_the_retrying_client() {
     use dedupgate_client::Client;

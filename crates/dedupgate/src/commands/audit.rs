@@ -28,6 +28,7 @@ use super::{ClosedAware, OutputClosed};
 /// Rejected records shown as examples in the report.
 const REJECT_SAMPLES_MAX: usize = 5;
 /// Rows fetched from PostgreSQL per round trip (bounded memory).
+#[cfg(feature = "postgres")]
 const PG_ROWS_PER_FETCH: usize = 10_000;
 
 /// Flags of `dedupgate audit`.
@@ -301,6 +302,7 @@ fn sql_of(query: Option<&str>, table: Option<&str>) -> anyhow::Result<Option<Str
 
 /// Streams the rows of `sql` as JSON Lines (PostgreSQL's `row_to_json`) into a temporary file,
 /// so a table of any size is audited in bounded memory by the same path as a file.
+#[cfg(feature = "postgres")]
 async fn fetch_pg(url: &str, sql: &str) -> anyhow::Result<tempfile::TempPath> {
     let (mut client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
@@ -335,6 +337,13 @@ async fn fetch_pg(url: &str, sql: &str) -> anyhow::Result<tempfile::TempPath> {
     let _ = conn.await;
     let file = w.into_inner().map_err(|e| e.into_error())?;
     Ok(file.into_temp_path())
+}
+
+/// A build without the PostgreSQL client refuses `--postgres` by the feature it needs, rather
+/// than auditing something else.
+#[cfg(not(feature = "postgres"))]
+async fn fetch_pg(_url: &str, _sql: &str) -> anyhow::Result<tempfile::TempPath> {
+    bail!("--postgres needs dedupgate built with the \"postgres\" feature")
 }
 
 /// What reading a side needs, and the counts both sides add to.

@@ -10,6 +10,7 @@ Exit status:
   2      usage error (an unknown flag, a missing value)";
 
 /// `bench`.
+#[cfg(feature = "http-client")]
 pub const BENCH: &str = "\
 Exit status:
   0      every request was answered

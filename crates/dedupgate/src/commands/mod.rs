@@ -1,12 +1,17 @@
 //! One module per subcommand.
+//!
+//! `bench` needs the `http-client` feature and `proxy` the `proxy` feature: a build without
+//! them has no such subcommand.
 
 pub mod api;
 pub mod audit;
+#[cfg(feature = "http-client")]
 pub mod bench;
 pub mod dedup;
 pub mod help;
 pub mod id;
 pub mod pipeline;
+#[cfg(feature = "proxy")]
 pub mod proxy;
 pub mod run;
 pub mod serve;
