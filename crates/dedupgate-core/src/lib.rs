@@ -8,6 +8,7 @@
 //! - [`decide()`]: the pure function every store applies atomically — current entry, op, the
 //!   store's clock in, answer and [`Change`] out.
 //! - [`Store`]: the trait each store implements; [`MemoryStore`] is the reference model.
+//! - [`ledger`]: [`KeySet`], what a store may offer `dedup`'s ledger beyond [`Store`].
 //! - [`Gate`]: the library face — typed calls and [`Gate::run`], which wraps a handler in the
 //!   retriable or idempotent ordering.
 //! - [`Clock`]: the injectable time source ([`SystemClock`], [`ManualClock`] for tests).
@@ -36,6 +37,7 @@ pub mod decide;
 pub mod error;
 pub mod gate;
 pub mod keys;
+pub mod ledger;
 pub mod memory;
 pub mod model;
 pub mod op;
@@ -49,6 +51,7 @@ pub use decide::{decide, next_fence, Change, Decision, COMPLETE_GRACE_MS};
 pub use error::{GateError, InvalidInput, StoreError};
 pub use gate::{ClaimOptions, Defaults, Gate, Mode, Run, RunError};
 pub use keys::{parse_duration_ms, record_id, KeyFields, KeyTemplate};
+pub use ledger::{KeyId, KeySet, KeySetCall};
 pub use memory::MemoryStore;
 pub use model::{Entry, EntryState, Key, Namespace, Record, RecordId, State, Token};
 pub use op::{Claim, Lease, Mark, Op, Outcome};

@@ -32,15 +32,13 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use dedupgate_core::op::DURATION_MS_MAX;
-use dedupgate_core::{GateError, InvalidInput, Namespace, RecordId};
+use dedupgate_core::{Namespace, RecordId};
 
 use crate::codec::{decode_entry, encode_id, DecodeError};
 use crate::engine::{EngineError, SetTable, Txn};
 use std::ops::Bound;
 
-/// Bytes that name a key in the set: the caller's digest of the key (a SHA-256 prefix).
-pub type KeyId = [u8; 16];
+pub use dedupgate_core::ledger::{KeyId, KeySetCall};
 
 /// Version of the chunk encoding written by this build.
 pub const CHUNK_ENCODING_V1: u8 = 1;
@@ -57,58 +55,6 @@ const META_CHUNK_SEQ: &str = "keyset_chunk_seq";
 
 /// Chunks read per engine call while loading the set or forgetting keys.
 const SCAN_PAGE_CHUNKS: usize = 64;
-
-/// One round trip to the key set: first `forget` is removed, then `record` is stored (expiring
-/// `ttl_ms` from now), then each of `check` is looked up; with `record_new` the ones found
-/// absent or expired are stored too, in the same commit.
-///
-/// The two orders of a ledger: "record, then emit" (at most once: `record_new`) and "emit, then
-/// record" (nothing lost: `check` alone, and the keys emitted go in the next call's `record`).
-/// A key that appears twice in `check` is new at most once.
-#[derive(Debug, Clone)]
-pub struct KeySetCall {
-    /// The namespace every key of the call belongs to.
-    pub namespace: Namespace,
-    /// Keys to store as seen.
-    pub record: Vec<KeyId>,
-    /// Keys to look up.
-    pub check: Vec<KeyId>,
-    /// Whether a key of `check` found new is stored too.
-    pub record_new: bool,
-    /// Empty, or the gate key of each key of `check` (in [`KeySetCall::namespace`]): a key
-    /// found new in the set is known after all while its gate record is live.
-    pub gate_keys: Vec<String>,
-    /// How long stored keys are remembered (1 ms to [`DURATION_MS_MAX`]).
-    pub ttl_ms: u64,
-    /// Keys to remove (an operator's `dedupgate forget`), so that their next sighting is new.
-    /// Their answers follow those of `check`: true when a live member was removed.
-    pub forget: Vec<KeyId>,
-}
-
-impl KeySetCall {
-    /// Refuses a ttl out of range; changes nothing.
-    pub fn validate(&self) -> Result<(), GateError> {
-        if !self.gate_keys.is_empty() && self.gate_keys.len() != self.check.len() {
-            return Err(InvalidInput::new(
-                "gate_keys",
-                format!(
-                    "{} gate keys for {} keys to check",
-                    self.gate_keys.len(),
-                    self.check.len()
-                ),
-            )
-            .into());
-        }
-        if self.ttl_ms == 0 || self.ttl_ms > DURATION_MS_MAX {
-            return Err(InvalidInput::new(
-                "ttl_ms",
-                format!("must be 1..={DURATION_MS_MAX}, got {}", self.ttl_ms),
-            )
-            .into());
-        }
-        Ok(())
-    }
-}
 
 /// A chunk's engine key: its expiry, then its sequence number (both big-endian, so chunks sort
 /// by expiry).

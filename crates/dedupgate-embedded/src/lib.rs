@@ -41,6 +41,7 @@ pub mod engine;
 mod error;
 mod idfilter;
 pub mod keyset;
+mod ledger;
 mod store;
 mod writer;
 

@@ -8,6 +8,8 @@
 //!   [`OpenOptions`] are not the defaults); failures are an
 //!   [`OpenStoreError`] that names the store with its password redacted ([`redact`]) and keeps
 //!   the store's own error as its source (so callers can still match, e.g., a locked directory).
+//! - [`open_with_key_set`]: the same, and the store's [`dedupgate_core::KeySet`] when it keeps
+//!   one (for `dedup`'s ledger), so no face names a concrete store.
 //! - [`open_or_pending`]: the same, but a store whose server is unavailable at start becomes a
 //!   [`PendingStore`] answering `unavailable` while it keeps opening in the background.
 //!
@@ -23,6 +25,10 @@ use dedupgate_core::{MemoryStore, Store};
 
 mod pending;
 pub use pending::{open_or_pending, Backoff, PendingStore};
+mod key_set;
+pub use key_set::WithKeySet;
+#[cfg(feature = "embedded")]
+pub use key_set::{open_with_key_set, EmbeddedOptions, KEY_SET_MEMORY_IDS_DEFAULT};
 
 /// Where the gate keeps its records.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -12,13 +12,16 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
+#[cfg(feature = "http-client")]
 use dedupgate_client::{Client, ClientError, MarkOptions};
-use dedupgate_core::{ClaimOptions, Gate, GateError, Namespace, Op, Outcome, RecordId, Token};
-use dedupgate_embedded::{EmbeddedOptions, KeySetCall};
+use dedupgate_core::{
+    ClaimOptions, Gate, GateError, KeySet, KeySetCall, Namespace, Op, Outcome, RecordId, Store,
+    Token,
+};
 use dedupgate_server::parse_duration_ms;
 use serde_json::{json, Value};
 
-use dedupgate_stores::StoreSpec;
+use dedupgate_stores::{EmbeddedOptions, StoreSpec};
 
 use crate::commands::pipeline::backend::open_waiting;
 
@@ -289,7 +292,12 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
     };
     // Exactly one target, well-formed: anything else is a usage error, not "could not ask".
     let target = match (&call.target.server, &call.target.store) {
+        #[cfg(feature = "http-client")]
         (Some(url), None) => Client::new(url).map(To::Server).map_err(|e| e.to_string()),
+        #[cfg(not(feature = "http-client"))]
+        (Some(_), None) => {
+            Err("--server needs dedupgate built with the \"http-client\" feature".to_owned())
+        }
         (None, Some(spec)) => spec
             .parse()
             .map(To::Store)
@@ -309,6 +317,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
         .context("cannot start the async runtime")?;
     let answer = runtime.block_on(async {
         match target {
+            #[cfg(feature = "http-client")]
             To::Server(client) => via_server(client, &call).await,
             To::Store(spec) => via_store(spec, &call).await,
         }
@@ -342,6 +351,7 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
+#[cfg(feature = "http-client")]
 fn from_client(e: ClientError) -> Failure {
     match e {
         ClientError::Gate(g) => from_gate(g),
@@ -389,10 +399,12 @@ fn to_json<T: serde::Serialize>(v: &T) -> Value {
 
 /// Where a call goes, parsed from `--server` or `--store`.
 enum To {
+    #[cfg(feature = "http-client")]
     Server(Client),
     Store(StoreSpec),
 }
 
+#[cfg(feature = "http-client")]
 async fn via_server(mut client: Client, call: &Call) -> Result<Value, Failure> {
     if let Some(t) = &call.target.bearer_token {
         client = client.with_bearer(t);
@@ -442,12 +454,12 @@ async fn via_server(mut client: Client, call: &Call) -> Result<Value, Failure> {
 }
 
 async fn via_store(spec: StoreSpec, call: &Call) -> Result<Value, Failure> {
-    if let (ApiOp::Forget, StoreSpec::Embedded(dir)) = (&call.op, &spec) {
-        return forget_embedded(dir, call).await;
-    }
-    let (store, _) = open_waiting(&spec, call.target.lock_wait, &EmbeddedOptions::default())
+    let (store, key_set) = open_waiting(&spec, call.target.lock_wait, &EmbeddedOptions::default())
         .await
         .map_err(Failure::Other)?;
+    if let (ApiOp::Forget, Some(key_set)) = (&call.op, key_set) {
+        return forget_with_key_set(store, key_set.as_ref(), call).await;
+    }
     let gate = Gate::from_arc(store);
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     Ok(match &call.op {
@@ -505,20 +517,18 @@ async fn via_store(spec: StoreSpec, call: &Call) -> Result<Value, Failure> {
     })
 }
 
-/// `forget` on an embedded store: the key's gate record and, when a `dedup --ledger` keeps the
-/// key in the store's key set, its member too, so the next sighting of the key is new
-/// whichever of them remembered it.
+/// `forget` on a store that keeps a key set (an embedded store): the key's gate record and, when
+/// a `dedup --ledger` keeps the key in the store's key set, its member too, so the next
+/// sighting of the key is new whichever of them remembered it.
 ///
 /// Two commits, the key set's first (its call fails before writing anything when a member
 /// cannot be read), then the gate record's. Each is idempotent, so a command that fails
 /// between them (the error says so) is simply run again.
-async fn forget_embedded(dir: &std::path::Path, call: &Call) -> Result<Value, Failure> {
-    let spec = StoreSpec::Embedded(dir.to_owned());
-    let (_, store) = open_waiting(&spec, call.target.lock_wait, &EmbeddedOptions::default())
-        .await
-        .map_err(Failure::Other)?;
-    let store = store
-        .ok_or_else(|| Failure::Other(anyhow::anyhow!("{dir:?} opened as no embedded store")))?;
+async fn forget_with_key_set(
+    store: std::sync::Arc<dyn Store>,
+    key_set: &dyn KeySet,
+    call: &Call,
+) -> Result<Value, Failure> {
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     let forget = KeySetCall {
         namespace: Namespace::new(ns).map_err(|e| from_gate(e.into()))?,
@@ -529,12 +539,12 @@ async fn forget_embedded(dir: &std::path::Path, call: &Call) -> Result<Value, Fa
         ttl_ms: 1,
         forget: key_set_members(key),
     };
-    let member = store
+    let member = key_set
         .key_set(forget)
         .await
         .map_err(from_gate)?
         .contains(&true);
-    let gate = Gate::from_arc(store as std::sync::Arc<dyn dedupgate_core::Store>);
+    let gate = Gate::from_arc(store);
     let record = gate.forget(ns, key).await.map_err(|e| {
         if member {
             Failure::Partial {

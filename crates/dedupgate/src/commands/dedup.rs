@@ -37,7 +37,7 @@ use super::pipeline::{
     check_interrupt, interrupt_flag, line_value, now_ms, progress, report_failure, summary, usage,
     Rejects, PROGRESS_EVERY_LINES,
 };
-use dedupgate_embedded::EmbeddedOptions;
+use dedupgate_stores::EmbeddedOptions;
 use dedupgate_stores::StoreSpec;
 use ledger::Ledger;
 
@@ -103,7 +103,7 @@ pub struct DedupArgs {
     /// Keys of an embedded ledger held in memory (about 40-60 bytes each; default 8388608, so
     /// about 0.5 GB at most, whatever the input size). Past it, the keys that expire first move
     /// to an index on disk, where each lookup of a key not in memory is an LSM read.
-    #[arg(long, default_value_t = dedupgate_embedded::keyset::MEMORY_IDS_DEFAULT, value_name = "KEYS",
+    #[arg(long, default_value_t = dedupgate_stores::KEY_SET_MEMORY_IDS_DEFAULT, value_name = "KEYS",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=u64::from(u32::MAX)))]
     ledger_memory_keys: usize,
     /// Ledger namespace.

@@ -10,8 +10,8 @@
 //! window, which holds every key of the batches in flight and the one being built.
 //!
 //! Two kinds of ledger:
-//! - **An embedded store held by this run** keeps the keys in its key set
-//!   ([`dedupgate_embedded::keyset`]): one put per new key. No other process can use the
+//! - **An embedded store held by this run** keeps the keys in its key set (the core's
+//!   [`KeySet`], which the embedded store keeps natively): one put per new key. No other process can use the
 //!   directory meanwhile (its lock), so nothing needs claiming: in the retriable mode a call
 //!   only looks the batch's keys up, and the keys of the records it let through (written and
 //!   flushed by then) are recorded by the next call; a run that dies in between recorded
@@ -28,9 +28,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use anyhow::anyhow;
-use dedupgate_core::{Namespace, Token};
-use dedupgate_embedded::keyset::KeyId;
-use dedupgate_embedded::{EmbeddedStore, KeySetCall};
+use dedupgate_core::{KeyId, KeySet, KeySetCall, Namespace, Token};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
@@ -152,7 +150,7 @@ enum Sink {
     /// record is consulted too (the store holds gate records, which only this run could add
     /// or remove while it holds the directory, and it adds none).
     KeySet {
-        store: Arc<EmbeddedStore>,
+        store: Arc<dyn KeySet>,
         gate_keys: bool,
     },
 }
@@ -205,12 +203,12 @@ impl<'a> Ledger<'a> {
         window_keys: Option<usize>,
     ) -> Self {
         let batch_records = batch_records.clamp(1, LEDGER_BATCH_RECORDS_MAX);
-        let sink = match backend.embedded() {
+        let sink = match backend.key_set() {
             Some(store) => Sink::KeySet {
                 store: store.clone(),
                 // Unknown (stats failed): consult them, to be safe.
                 gate_keys: rt
-                    .block_on(dedupgate_core::Store::stats(store.as_ref()))
+                    .block_on(store.stats())
                     .map_or(true, |s| s.records_held != Some(0)),
             },
             None => Sink::Gate {
@@ -332,7 +330,7 @@ impl<'a> Ledger<'a> {
                 let store = store.clone();
                 self.rt.spawn(async move {
                     let answers = key_set_call(
-                        &store,
+                        store.as_ref(),
                         ns,
                         record,
                         (&sent.batch.ids, &sent.batch.keys),
@@ -668,7 +666,7 @@ impl<'a> Ledger<'a> {
 
 /// One key-set call, answered like a gate ledger call (no completions: recording is a put).
 async fn key_set_call(
-    store: &EmbeddedStore,
+    store: &dyn KeySet,
     namespace: String,
     record: Vec<KeyId>,
     (check, gate_keys): (&[KeyId], &[String]),

@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
+#[cfg(feature = "http-client")]
 use dedupgate_client::{Client, ClientError, MarkOptions};
 use dedupgate_core::{
-    Claim, ClaimOptions, Gate, GateError, Mark, Op, Outcome, Record, RecordId, State, Store, Token,
+    Claim, ClaimOptions, Gate, GateError, KeySet, Mark, Op, Outcome, Record, RecordId, State, Token,
 };
 use serde_json::{json, Value};
 
-use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
-use dedupgate_stores::{self as store_spec, StoreSpec};
+use dedupgate_stores::{self as store_spec, EmbeddedOptions, StoreSpec, WithKeySet};
 
 /// Pause between two tries of a locked directory.
 const LOCK_RETRY_MS: u64 = 25;
@@ -33,17 +33,15 @@ pub enum Backend {
         spec: StoreSpec,
         /// The open store, unless it is opened per operation.
         gate: Option<Gate>,
-        /// The same store when it is an embedded one held open (for its key set).
-        embedded: Option<Arc<EmbeddedStore>>,
+        /// The same store's key set, when it keeps one and is held open.
+        key_set: Option<Arc<dyn KeySet>>,
         /// Longest wait for a locked directory.
         lock_wait_ms: u64,
     },
     /// A dedupgate server.
+    #[cfg(feature = "http-client")]
     Remote(Client),
 }
-
-/// An open store, and the same store as itself when it is an embedded one.
-type Opened = (Arc<dyn Store>, Option<Arc<EmbeddedStore>>);
 
 /// Opens `spec`, waiting up to `lock_wait_ms` while another process holds an embedded store's
 /// directory (another command's moment on it); a wait of more than a second says so on stderr.
@@ -51,17 +49,11 @@ pub async fn open_waiting(
     spec: &StoreSpec,
     lock_wait_ms: u64,
     embedded: &EmbeddedOptions,
-) -> anyhow::Result<Opened> {
+) -> anyhow::Result<WithKeySet> {
     let started = Instant::now();
     let mut told = false;
     loop {
-        let opened = match spec {
-            StoreSpec::Embedded(dir) => store_spec::open_embedded(dir, embedded.clone())
-                .await
-                .map(|s| (s.clone() as Arc<dyn Store>, Some(s))),
-            _ => store_spec::open(spec).await.map(|s| (s, None)),
-        };
-        match opened {
+        match store_spec::open_with_key_set(spec, embedded.clone()).await {
             Ok(opened) => return Ok(opened),
             Err(e) if e.is_locked() && started.elapsed().as_millis() < u128::from(lock_wait_ms) => {
                 // A lock held for a moment (another cron trigger's claim) passes unsaid; a
@@ -109,17 +101,22 @@ impl Backend {
         lock_wait_ms: u64,
         embedded: EmbeddedOptions,
     ) -> anyhow::Result<Self> {
+        #[cfg(feature = "http-client")]
         if let Some(url) = server {
             return Ok(Backend::Remote(
                 Client::new(url).with_context(|| format!("server {url}"))?,
             ));
         }
+        #[cfg(not(feature = "http-client"))]
+        if server.is_some() {
+            bail!("--server needs dedupgate built with the \"http-client\" feature");
+        }
         let spec = spec.unwrap_or_default();
-        let (store, embedded) = open_waiting(&spec, lock_wait_ms, &embedded).await?;
+        let (store, key_set) = open_waiting(&spec, lock_wait_ms, &embedded).await?;
         Ok(Backend::Local {
             spec,
             gate: Some(Gate::from_arc(store)),
-            embedded,
+            key_set,
             lock_wait_ms,
         })
     }
@@ -139,7 +136,7 @@ impl Backend {
             return Ok(Backend::Local {
                 spec: spec_or_default,
                 gate: None,
-                embedded: None,
+                key_set: None,
                 lock_wait_ms,
             });
         }
@@ -162,14 +159,16 @@ impl Backend {
                     .await?
                     .0,
             )),
+            #[cfg(feature = "http-client")]
             Backend::Remote(_) => Err(anyhow!("no local gate for a server backend")),
         }
     }
 
-    /// The embedded store this backend holds open, if it is one.
-    pub fn embedded(&self) -> Option<&Arc<EmbeddedStore>> {
+    /// The key set of the store this backend holds open, if it keeps one (an embedded store).
+    pub fn key_set(&self) -> Option<&Arc<dyn KeySet>> {
         match self {
-            Backend::Local { embedded, .. } => embedded.as_ref(),
+            Backend::Local { key_set, .. } => key_set.as_ref(),
+            #[cfg(feature = "http-client")]
             Backend::Remote(_) => None,
         }
     }
@@ -177,6 +176,7 @@ impl Backend {
     /// Claims a key.
     pub async fn claim(&self, ns: &str, key: &str, opts: ClaimOptions) -> anyhow::Result<Claim> {
         match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => Ok(c.claim(ns, key, opts).await?),
             _ => Ok(self.gate().await?.claim(ns, key, opts).await?),
         }
@@ -191,6 +191,7 @@ impl Backend {
         result: Option<Value>,
     ) -> anyhow::Result<Record> {
         match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => Ok(c.complete(ns, key, token, result, None).await?),
             _ => Ok(self.gate().await?.complete(ns, key, token, result).await?),
         }
@@ -199,6 +200,7 @@ impl Backend {
     /// Releases a claim.
     pub async fn release(&self, ns: &str, key: &str, token: &Token) -> anyhow::Result<()> {
         match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => Ok(c.release(ns, key, token).await?),
             _ => Ok(self.gate().await?.release(ns, key, token).await?),
         }
@@ -207,6 +209,7 @@ impl Backend {
     /// Removes a key's record (over HTTP: an admin call); true when a live one went.
     pub async fn forget(&self, ns: &str, key: &str) -> anyhow::Result<bool> {
         match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => Ok(c.forget(ns, key).await?),
             _ => Ok(self.gate().await?.forget(ns, key).await?),
         }
@@ -221,6 +224,7 @@ impl Backend {
         lease_ms: u64,
     ) -> anyhow::Result<u64> {
         match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => Ok(c.extend(ns, key, token, lease_ms).await?),
             _ => Ok(self.gate().await?.extend(ns, key, token, lease_ms).await?),
         }
@@ -235,6 +239,7 @@ impl Backend {
         result: Option<Value>,
     ) -> anyhow::Result<Mark> {
         match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => Ok(c
                 .mark(
                     ns,
@@ -269,6 +274,7 @@ impl Backend {
     ) -> anyhow::Result<LedgerAnswers> {
         let n = completes.len() + keys.len();
         let answers: Vec<Result<Fresh, String>> = match self {
+            #[cfg(feature = "http-client")]
             Backend::Remote(c) => {
                 let mut ops = Vec::with_capacity(n);
                 for (k, t) in completes {
@@ -371,6 +377,7 @@ impl Backend {
         // Best effort: a claim left held frees itself when its lease runs out.
         for chunk in claims.chunks(5_000) {
             match self {
+                #[cfg(feature = "http-client")]
                 Backend::Remote(c) => {
                     let ops = chunk
                         .iter()
@@ -398,6 +405,7 @@ impl Backend {
     pub fn describe(&self) -> String {
         match self {
             Backend::Local { spec, .. } => describe(spec),
+            #[cfg(feature = "http-client")]
             Backend::Remote(_) => "server".to_owned(),
         }
     }
@@ -462,11 +470,14 @@ pub struct LedgerAnswers {
 /// True when the error is the gate's "lease lost".
 pub fn is_lease_lost(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
+        #[cfg(feature = "http-client")]
+        if matches!(
+            c.downcast_ref::<ClientError>(),
+            Some(ClientError::Gate(GateError::LeaseLost))
+        ) {
+            return true;
+        }
         matches!(c.downcast_ref::<GateError>(), Some(GateError::LeaseLost))
-            || matches!(
-                c.downcast_ref::<ClientError>(),
-                Some(ClientError::Gate(GateError::LeaseLost))
-            )
     })
 }
 
