@@ -53,6 +53,10 @@ impl HttpStoreOptions {
 pub struct HttpStore {
     client: Client,
     base: String,
+    /// Whether a claim without an owner is sent as it is (a batch item). Only when calls are
+    /// never retried: a retried ownerless claim whose first answer was lost would answer its
+    /// own caller `duplicate`, so with retries the typed claim names a fresh owner instead.
+    ownerless_as_is: bool,
 }
 
 impl HttpStore {
@@ -64,6 +68,7 @@ impl HttpStore {
         Ok(Self {
             client,
             base: base.to_owned(),
+            ownerless_as_is: options.retry.attempts_max <= 1,
         })
     }
 
@@ -104,8 +109,8 @@ impl Store for HttpStore {
                 ttl_ms,
                 lease_ms,
                 fingerprint,
-                owner: Some(owner),
-            } => Ok(Outcome::Claimed(
+                owner,
+            } if owner.is_some() || !self.ownerless_as_is => Ok(Outcome::Claimed(
                 c.claim(
                     &ns,
                     &key,
@@ -113,7 +118,7 @@ impl Store for HttpStore {
                         ttl_ms: Some(ttl_ms),
                         lease_ms: Some(lease_ms),
                         fingerprint,
-                        owner: Some(owner),
+                        owner,
                     },
                 )
                 .await?,
@@ -123,7 +128,8 @@ impl Store for HttpStore {
                 ttl_ms,
                 lease_ms,
                 fingerprint,
-                owner: None,
+                // None: the arm above takes every claim with an owner.
+                owner: _,
             } => {
                 let mut item = serde_json::json!({"op": "claim", "namespace": ns, "key": key,
                     "ttl_ms": ttl_ms, "lease_ms": lease_ms});
