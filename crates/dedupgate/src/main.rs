@@ -3,6 +3,11 @@
 
 mod commands;
 
+// The default STORE is an embedded directory and the commands' options include its settings:
+// the other engines are optional, this one is not.
+#[cfg(not(feature = "embedded"))]
+compile_error!("dedupgate needs its \"embedded\" feature: build with --features embedded");
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};

@@ -131,8 +131,10 @@ fn a_refusal_says_its_code_once() {
 }
 
 /// A `dedupgate serve` child, killed on drop.
+#[cfg(all(feature = "proxy", feature = "http-client"))]
 struct Server(std::process::Child);
 
+#[cfg(all(feature = "proxy", feature = "http-client"))]
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -140,6 +142,7 @@ impl Drop for Server {
     }
 }
 
+#[cfg(all(feature = "proxy", feature = "http-client"))]
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

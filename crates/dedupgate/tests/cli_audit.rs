@@ -5,6 +5,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+#[cfg(feature = "postgres")]
 use std::time::{SystemTime, UNIX_EPOCH};
 
 fn dg() -> Command {

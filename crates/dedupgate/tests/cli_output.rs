@@ -5,7 +5,10 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+#[cfg(feature = "http-client")]
+use std::process::Child;
+use std::process::{Command, Output, Stdio};
+#[cfg(feature = "http-client")]
 use std::time::{Duration, Instant};
 
 fn dg() -> Command {
@@ -135,8 +138,10 @@ fn a_closed_stdout_ends_the_api_subcommands_and_run_quietly() {
 }
 
 /// A `dedupgate serve` child on a free port, killed on drop.
+#[cfg(feature = "http-client")]
 struct Server(Child);
 
+#[cfg(feature = "http-client")]
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.0.kill();

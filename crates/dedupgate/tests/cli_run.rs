@@ -618,6 +618,8 @@ fn gate_failures_and_bad_commands_have_their_own_exit_codes() {
 /// A `dedupgate serve` child on a free port, killed on drop.
 struct Server {
     child: Child,
+    /// Read by the `--server` tests, which need the `http-client` feature.
+    #[cfg_attr(not(feature = "http-client"), allow(dead_code))]
     url: String,
 }
 

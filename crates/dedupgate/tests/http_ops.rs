@@ -10,15 +10,14 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use http_support::{
-    eventually, read_response, request, serve, serve_env, try_serve, Server, TempDir,
-};
+#[cfg(feature = "redis")]
+use http_support::{eventually, read_response};
+use http_support::{request, serve, serve_env, try_serve, Server, TempDir};
 use serde_json::{json, Value};
 
 const KEYS: usize = 40;
 const CLIENTS: usize = 64;
 
-#[cfg(feature = "redis")]
 #[test]
 fn sixty_four_clients_on_overlapping_keys_get_one_new_per_key() {
     let s = serve(&["--store", "memory:"]);
