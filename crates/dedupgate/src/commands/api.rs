@@ -187,6 +187,16 @@ enum ApiOp {
     Forget,
 }
 
+/// A mark's options, in the shape of the client crate's (which a build without `http-client`
+/// does not have).
+#[cfg(not(feature = "http-client"))]
+#[derive(Clone, Debug, Default)]
+struct MarkOptions {
+    ttl_ms: Option<u64>,
+    fingerprint: Option<String>,
+    result: Option<Value>,
+}
+
 fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
     Ok(match cmd {
         ApiCommand::Claim {

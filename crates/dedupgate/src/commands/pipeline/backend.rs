@@ -9,13 +9,17 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context};
+#[cfg(feature = "http-client")]
+use anyhow::Context;
+use anyhow::{anyhow, bail};
 #[cfg(feature = "http-client")]
 use dedupgate_client::{Client, ClientError, MarkOptions};
 use dedupgate_core::{
     Claim, ClaimOptions, Gate, GateError, KeySet, Mark, Op, Outcome, Record, RecordId, State, Token,
 };
-use serde_json::{json, Value};
+#[cfg(feature = "http-client")]
+use serde_json::json;
+use serde_json::Value;
 
 use dedupgate_stores::{self as store_spec, EmbeddedOptions, StoreSpec, WithKeySet};
 
