@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dedupgate_core::{ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError};
+use dedupgate_core::{ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError, ValidOp};
 
 use crate::{Client, ClientError, MarkOptions, Problem, RetryPolicy, DEFAULT_TIMEOUT_MS};
 
@@ -101,10 +101,10 @@ impl From<ClientError> for GateError {
 
 #[async_trait]
 impl Store for HttpStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         let (ns, key) = (id.namespace.to_string(), id.key.to_string());
         let c = &self.client;
-        match op {
+        match op.into_op() {
             Op::Claim {
                 ttl_ms,
                 lease_ms,

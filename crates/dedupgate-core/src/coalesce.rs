@@ -11,7 +11,8 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{GateError, StoreError};
 use crate::model::RecordId;
-use crate::op::{Op, Outcome};
+use crate::op::Outcome;
+use crate::valid::ValidOp;
 
 /// How much a [`Coalescer`] holds and sends at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,7 +28,7 @@ pub struct CoalesceLimits {
 /// One caller's op waiting to be sent.
 struct Job {
     id: RecordId,
-    op: Op,
+    op: ValidOp,
     reply: oneshot::Sender<Result<Outcome, GateError>>,
 }
 
@@ -43,7 +44,7 @@ impl Coalescer {
     /// answers each, in order, as a store's `apply_batch` does.
     pub fn spawn<F, Fut>(limits: CoalesceLimits, batch: F) -> Self
     where
-        F: Fn(Vec<(RecordId, Op)>) -> Fut + Send + Sync + 'static,
+        F: Fn(Vec<(RecordId, ValidOp)>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<Result<Outcome, GateError>>> + Send + 'static,
     {
         let (queue, rx) = mpsc::channel(limits.queue_max.max(1));
@@ -52,7 +53,7 @@ impl Coalescer {
     }
 
     /// Decides `op` in the next batch; answers as the batch answered it.
-    pub async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    pub async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         let stopped = || {
             GateError::Store(StoreError::Unavailable(
                 "the coalescing task stopped".into(),
@@ -75,7 +76,7 @@ impl Coalescer {
 /// when its caller goes is decided; `unavailable` allows that.
 async fn run<F, Fut>(limits: CoalesceLimits, batch: F, mut queue: mpsc::Receiver<Job>)
 where
-    F: Fn(Vec<(RecordId, Op)>) -> Fut + Send + Sync + 'static,
+    F: Fn(Vec<(RecordId, ValidOp)>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Vec<Result<Outcome, GateError>>> + Send + 'static,
 {
     let in_flight = Arc::new(Semaphore::new(limits.in_flight_max.max(1)));
@@ -122,13 +123,13 @@ mod tests {
     use crate::op::Claim;
     use crate::store::Store;
 
-    fn claim() -> Op {
-        Op::Claim {
-            ttl_ms: 60_000,
-            lease_ms: 30_000,
-            fingerprint: None,
-            owner: None,
-        }
+    fn claim() -> ValidOp {
+        let opts = crate::ClaimOptions {
+            ttl_ms: Some(60_000),
+            lease_ms: Some(30_000),
+            ..Default::default()
+        };
+        ValidOp::claim(opts, crate::Defaults::default()).unwrap()
     }
 
     /// Concurrent callers share batches, each gets its own answer (one "new" per key), and a
@@ -229,7 +230,7 @@ mod tests {
         // An op queued after it is answered only once anything sent before it was decided.
         let after = coalescer.apply(id("after"), claim()).await;
         assert!(matches!(after, Ok(Outcome::Claimed(Claim::New(_)))));
-        let found = store.apply(id("gone"), Op::Get).await;
+        let found = store.apply(id("gone"), ValidOp::get()).await;
         assert!(
             matches!(found, Ok(Outcome::Found(None))),
             "the op of a caller that had gone was decided: {found:?}"

@@ -20,6 +20,7 @@
 use crate::error::GateError;
 use crate::model::{Entry, EntryState, RecordId, Token};
 use crate::op::{Claim, Lease, Mark, Op, Outcome};
+use crate::valid::ValidOp;
 
 /// Fence units per millisecond of the store's clock: the headroom of claims per ms per key.
 pub const FENCE_PER_MS: u64 = 1000;
@@ -84,17 +85,15 @@ fn completed_expiry(claimed: &Entry, ttl_ms: Option<u64>, now_ms: u64) -> u64 {
 }
 
 /// Decides `op` on `id` whose stored entry is `current`, at `now_ms` on the store's clock.
-/// `fresh_token` is called only when a new claim needs a token.
+/// `fresh_token` is called only when a new claim needs a token. The op is a [`ValidOp`], so
+/// its durations are in range (`now_ms + ttl_ms` cannot overflow) without a check here.
 pub fn decide(
     id: &RecordId,
-    op: Op,
+    op: ValidOp,
     current: Option<&Entry>,
     now_ms: u64,
     fresh_token: impl FnOnce() -> Token,
 ) -> Decision {
-    if let Err(e) = op.validate() {
-        return Decision::keep(Err(e.into()));
-    }
     // The entry that counts: live and not a tombstone. Expired entries are absent.
     let live = current.filter(|e| e.is_live(now_ms) && e.state != EntryState::Released);
     let previous_fence = current.map(|e| e.fence);
@@ -103,7 +102,7 @@ pub fn decide(
             .expect("a live entry that is not a tombstone has a public record")
     };
 
-    match op {
+    match op.into_op() {
         Op::Claim {
             ttl_ms,
             lease_ms,
@@ -306,7 +305,7 @@ pub fn decide(
 /// writer, so no token is drawn here.
 pub fn decide_read_only(
     id: &RecordId,
-    op: &Op,
+    op: &ValidOp,
     current: Option<&Entry>,
     now_ms: u64,
 ) -> Option<Result<Outcome, GateError>> {
@@ -330,6 +329,30 @@ mod tests {
 
     fn id() -> RecordId {
         RecordId::new("ns", "k").unwrap()
+    }
+
+    /// [`super::decide`] on an op the tests write out in full (valid by construction here;
+    /// that an invalid one cannot be built is tested in `valid.rs`).
+    fn decide(
+        id: &RecordId,
+        op: Op,
+        current: Option<&Entry>,
+        now_ms: u64,
+        fresh_token: impl FnOnce() -> Token,
+    ) -> Decision {
+        let op = ValidOp::try_from(op).expect("the tests' ops are valid");
+        super::decide(id, op, current, now_ms, fresh_token)
+    }
+
+    /// [`super::decide_read_only`] on an op written out in full.
+    fn decide_read_only(
+        id: &RecordId,
+        op: &Op,
+        current: Option<&Entry>,
+        now_ms: u64,
+    ) -> Option<Result<Outcome, GateError>> {
+        let op = ValidOp::try_from(op.clone()).expect("the tests' ops are valid");
+        super::decide_read_only(id, &op, current, now_ms)
     }
 
     fn claim(owner: Option<&str>) -> Op {
@@ -362,19 +385,6 @@ mod tests {
         let second = put(d);
         assert!(second.fence > first.fence);
         assert_ne!(second.token, first.token);
-    }
-
-    #[test]
-    fn invalid_op_changes_nothing() {
-        let op = Op::Claim {
-            ttl_ms: 0,
-            lease_ms: 1,
-            fingerprint: None,
-            owner: None,
-        };
-        let d = decide(&id(), op, None, 1, Token::generate);
-        assert!(matches!(d.answer, Err(GateError::Invalid(_))));
-        assert_eq!(d.change, Change::Keep);
     }
 
     fn complete_at(claimed: &Entry, ttl_ms: Option<u64>, now_ms: u64) -> Entry {

@@ -10,39 +10,9 @@ use serde::Serialize;
 
 use crate::error::{GateError, StoreError};
 use crate::model::{Record, RecordId, Token};
-use crate::op::{Claim, Mark, Op, Outcome, DEFAULT_LEASE_MS, DEFAULT_TTL_MS};
+use crate::op::{Claim, Mark, Outcome};
 use crate::store::Store;
-
-/// Durations used when a call does not give its own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Defaults {
-    /// Record retention.
-    pub ttl_ms: u64,
-    /// Claim lease.
-    pub lease_ms: u64,
-}
-
-impl Default for Defaults {
-    fn default() -> Self {
-        Self {
-            ttl_ms: DEFAULT_TTL_MS,
-            lease_ms: DEFAULT_LEASE_MS,
-        }
-    }
-}
-
-/// Options of a claim; `None` takes the gate's default.
-#[derive(Clone, Debug, Default)]
-pub struct ClaimOptions {
-    /// Record retention.
-    pub ttl_ms: Option<u64>,
-    /// Lease.
-    pub lease_ms: Option<u64>,
-    /// Payload hash.
-    pub fingerprint: Option<String>,
-    /// Claimer id (lets a worker whose answer was lost claim again safely).
-    pub owner: Option<String>,
-}
+use crate::valid::{ClaimOptions, CompleteOptions, Defaults, MarkOptions, ValidOp};
 
 /// Which ordering [`Gate::run`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -164,13 +134,9 @@ impl Gate {
         key: &str,
         opts: ClaimOptions,
     ) -> Result<Claim, GateError> {
-        let op = Op::Claim {
-            ttl_ms: opts.ttl_ms.unwrap_or(self.defaults.ttl_ms),
-            lease_ms: opts.lease_ms.unwrap_or(self.defaults.lease_ms),
-            fingerprint: opts.fingerprint,
-            owner: opts.owner,
-        };
-        match self.apply(namespace, key, op).await? {
+        let id = RecordId::new(namespace, key)?;
+        let op = ValidOp::claim(opts, self.defaults)?;
+        match self.store.apply(id, op).await? {
             Outcome::Claimed(c) => Ok(c),
             other => Err(unexpected(other)),
         }
@@ -184,12 +150,15 @@ impl Gate {
         token: &Token,
         result: Option<serde_json::Value>,
     ) -> Result<Record, GateError> {
-        let op = Op::Complete {
-            token: token.clone(),
-            result,
-            ttl_ms: None,
-        };
-        match self.apply(namespace, key, op).await? {
+        let id = RecordId::new(namespace, key)?;
+        let op = ValidOp::complete(
+            token.clone(),
+            CompleteOptions {
+                result,
+                ttl_ms: None,
+            },
+        )?;
+        match self.store.apply(id, op).await? {
             Outcome::Completed(r) => Ok(r),
             other => Err(unexpected(other)),
         }
@@ -202,10 +171,9 @@ impl Gate {
         key: &str,
         token: &Token,
     ) -> Result<(), GateError> {
-        let op = Op::Release {
-            token: token.clone(),
-        };
-        match self.apply(namespace, key, op).await? {
+        let id = RecordId::new(namespace, key)?;
+        let op = ValidOp::release(token.clone())?;
+        match self.store.apply(id, op).await? {
             Outcome::Released => Ok(()),
             other => Err(unexpected(other)),
         }
@@ -219,11 +187,9 @@ impl Gate {
         token: &Token,
         lease_ms: u64,
     ) -> Result<u64, GateError> {
-        let op = Op::Extend {
-            token: token.clone(),
-            lease_ms,
-        };
-        match self.apply(namespace, key, op).await? {
+        let id = RecordId::new(namespace, key)?;
+        let op = ValidOp::extend(token.clone(), lease_ms)?;
+        match self.store.apply(id, op).await? {
             Outcome::Extended {
                 lease_expires_at_ms,
             } => Ok(lease_expires_at_ms),
@@ -240,12 +206,14 @@ impl Gate {
         fingerprint: Option<String>,
         result: Option<serde_json::Value>,
     ) -> Result<Mark, GateError> {
-        let op = Op::Mark {
-            ttl_ms: ttl_ms.unwrap_or(self.defaults.ttl_ms),
+        let id = RecordId::new(namespace, key)?;
+        let opts = MarkOptions {
+            ttl_ms,
             fingerprint,
             result,
         };
-        match self.apply(namespace, key, op).await? {
+        let op = ValidOp::mark(opts, self.defaults)?;
+        match self.store.apply(id, op).await? {
             Outcome::Marked(m) => Ok(m),
             other => Err(unexpected(other)),
         }
@@ -253,7 +221,8 @@ impl Gate {
 
     /// Reads a record (never its token).
     pub async fn get(&self, namespace: &str, key: &str) -> Result<Option<Record>, GateError> {
-        match self.apply(namespace, key, Op::Get).await? {
+        let id = RecordId::new(namespace, key)?;
+        match self.store.apply(id, ValidOp::get()).await? {
             Outcome::Found(r) => Ok(r),
             other => Err(unexpected(other)),
         }
@@ -261,15 +230,11 @@ impl Gate {
 
     /// Deletes a record; true when a live one existed.
     pub async fn forget(&self, namespace: &str, key: &str) -> Result<bool, GateError> {
-        match self.apply(namespace, key, Op::Forget).await? {
+        let id = RecordId::new(namespace, key)?;
+        match self.store.apply(id, ValidOp::forget()).await? {
             Outcome::Forgotten(b) => Ok(b),
             other => Err(unexpected(other)),
         }
-    }
-
-    async fn apply(&self, namespace: &str, key: &str, op: Op) -> Result<Outcome, GateError> {
-        let id = RecordId::new(namespace, key)?;
-        self.store.apply(id, op).await
     }
 
     /// Runs `handler` at most once per (namespace, key) within the ttl.
@@ -474,8 +439,8 @@ mod tests {
 
     #[async_trait::async_trait]
     impl Store for CompletionsDown {
-        async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
-            if matches!(op, Op::Complete { .. })
+        async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
+            if matches!(*op, crate::Op::Complete { .. })
                 && self
                     .down
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))

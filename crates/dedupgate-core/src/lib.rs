@@ -5,6 +5,8 @@
 //! - [`model`]: [`RecordId`] (a validated [`Namespace`] and [`Key`]), the public [`Record`] and
 //!   the stored [`Entry`] (which, unlike a record, keeps the holder's [`Token`]).
 //! - [`op`]: the operations ([`Op`]) and what they produce ([`Outcome`], [`Claim`], [`Mark`]).
+//! - [`valid`]: the one way in — a request's options ([`ClaimOptions`], [`MarkOptions`], …)
+//!   and the [`Defaults`] become a [`ValidOp`], checked once; stores take only that.
 //! - [`decide()`]: the pure function every store applies atomically — current entry, op, the
 //!   store's clock in, answer and [`Change`] out.
 //! - [`Store`]: the trait each store implements; [`MemoryStore`] is the reference model.
@@ -44,15 +46,17 @@ pub mod op;
 pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod valid;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use coalesce::{CoalesceLimits, Coalescer};
 pub use decide::{decide, next_fence, Change, Decision, COMPLETE_GRACE_MS};
 pub use error::{GateError, InvalidInput, StoreError};
-pub use gate::{ClaimOptions, Defaults, Gate, Mode, Run, RunError};
+pub use gate::{Gate, Mode, Run, RunError};
 pub use keys::{parse_duration_ms, record_id, KeyFields, KeyTemplate};
 pub use ledger::{KeyId, KeySet, KeySetCall};
 pub use memory::MemoryStore;
 pub use model::{Entry, EntryState, Key, Namespace, Record, RecordId, State, Token};
 pub use op::{Claim, Lease, Mark, Op, Outcome};
 pub use store::{Store, StoreStats, BATCH_OPS_MAX};
+pub use valid::{ClaimOptions, CompleteOptions, Defaults, MarkOptions, Request, ValidOp};

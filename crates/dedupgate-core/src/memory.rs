@@ -13,8 +13,9 @@ use crate::clock::{Clock, SystemClock};
 use crate::decide::{decide, Change};
 use crate::error::{GateError, StoreError};
 use crate::model::{Entry, RecordId, Token};
-use crate::op::{Op, Outcome};
+use crate::op::Outcome;
 use crate::store::{Store, StoreStats};
+use crate::valid::ValidOp;
 
 /// Shards that split the lock so concurrent callers on different keys rarely wait for each other.
 const SHARDS: usize = 32;
@@ -78,7 +79,7 @@ impl MemoryStore {
         &self.shards[(h as usize) % SHARDS]
     }
 
-    fn apply_now(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    fn apply_now(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         let mut shard = self.shard(&id).lock().unwrap_or_else(|p| p.into_inner());
         let Shard { records, expiries } = &mut *shard;
         let now_ms = self.clock.now_ms();
@@ -113,11 +114,11 @@ impl MemoryStore {
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         self.apply_now(id, op)
     }
 
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         ops.into_iter()
             .map(|(id, op)| self.apply_now(id, op))
             .collect()
@@ -189,6 +190,8 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
+    use crate::op::Op;
+    use crate::testkit::ApplyOp;
 
     fn id(key: &str) -> RecordId {
         RecordId::new("sweep", key).unwrap()
@@ -214,11 +217,11 @@ mod tests {
         let store = MemoryStore::with_clock(Arc::new(clock.clone()));
         for i in 0..100 {
             store
-                .apply(id(&format!("short-{i}")), mark(1_000))
+                .apply_op(id(&format!("short-{i}")), mark(1_000))
                 .await
                 .unwrap();
             store
-                .apply(id(&format!("long-{i}")), mark(60_000))
+                .apply_op(id(&format!("long-{i}")), mark(60_000))
                 .await
                 .unwrap();
         }
@@ -229,9 +232,9 @@ mod tests {
             fingerprint: None,
             owner: None,
         };
-        store.apply(id("again"), claim.clone()).await.unwrap();
+        store.apply_op(id("again"), claim.clone()).await.unwrap();
         clock.advance(600);
-        let taken = store.apply(id("again"), claim).await.unwrap();
+        let taken = store.apply_op(id("again"), claim).await.unwrap();
         assert!(
             matches!(taken, Outcome::Claimed(crate::Claim::New(_))),
             "{taken:?}"
@@ -256,7 +259,7 @@ mod tests {
             101,
             "the long marks and the taken-over claim stay"
         );
-        assert!(store.apply(id("again"), Op::Get).await.is_ok());
+        assert!(store.apply_op(id("again"), Op::Get).await.is_ok());
 
         clock.advance(60_000);
         assert_eq!(store.sweep_expired(1_000).await.unwrap(), 101);
@@ -288,7 +291,7 @@ mod tests {
             owner: None,
         };
         let Outcome::Claimed(crate::Claim::New(lease)) =
-            store.apply(id("busy"), claim).await.unwrap()
+            store.apply_op(id("busy"), claim).await.unwrap()
         else {
             panic!("not new");
         };
@@ -298,7 +301,7 @@ mod tests {
                 token: lease.token.clone(),
                 lease_ms: 1_000,
             };
-            store.apply(id("busy"), extend).await.unwrap();
+            store.apply_op(id("busy"), extend).await.unwrap();
         }
         assert_eq!(queued(&store), 1, "a thousand extends, one item");
         // Completing with a shorter ttl brings the expiry earlier: one more item.
@@ -307,11 +310,11 @@ mod tests {
             result: None,
             ttl_ms: Some(5_000),
         };
-        store.apply(id("busy"), complete).await.unwrap();
+        store.apply_op(id("busy"), complete).await.unwrap();
         assert_eq!(queued(&store), 2);
         for i in 0..50 {
             store
-                .apply(id(&format!("live-{i}")), mark(1_000))
+                .apply_op(id(&format!("live-{i}")), mark(1_000))
                 .await
                 .unwrap();
         }

@@ -73,9 +73,9 @@ fn check_duration(field: &'static str, ms: u64) -> Result<(), InvalidInput> {
 }
 
 impl Op {
-    /// Checks the fields a store cannot check for itself. Every store calls this before deciding,
-    /// so a bad request never changes anything.
-    pub fn validate(&self) -> Result<(), InvalidInput> {
+    /// Checks the fields a store cannot check for itself. Only [`crate::ValidOp`]'s builders
+    /// call it: a store takes a `ValidOp`, so a bad request never reaches one.
+    pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
         match self {
             Op::Claim {
                 ttl_ms,

@@ -6,7 +6,8 @@ use async_trait::async_trait;
 
 use crate::error::{GateError, StoreError};
 use crate::model::RecordId;
-use crate::op::{Op, Outcome};
+use crate::op::Outcome;
+use crate::valid::ValidOp;
 
 /// Most operations one batch may carry (API.md).
 pub const BATCH_OPS_MAX: usize = 10_000;
@@ -23,13 +24,14 @@ pub struct StoreStats {
 /// A place that remembers records and decides operations on them atomically.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Decides one operation atomically. Errors are [`GateError`]s: a refusal (lease lost,
-    /// fingerprint mismatch, invalid input) or [`StoreError`] when nothing could be decided.
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError>;
+    /// Decides one operation atomically. The op was validated when it was built, so a store
+    /// does not check it again. Errors are [`GateError`]s: a refusal (lease lost, fingerprint
+    /// mismatch) or [`StoreError`] when nothing could be decided.
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError>;
 
     /// Decides many operations in order, each atomically, sharing one durable commit where the
     /// store can. Later ops on the same id see earlier ones. The answer has one item per op.
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         let mut out = Vec::with_capacity(ops.len());
         for (id, op) in ops {
             out.push(self.apply(id, op).await);

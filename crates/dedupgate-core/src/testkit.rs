@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use crate::{
-    Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, Token,
+    Claim, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State, Store, Token, ValidOp,
     COMPLETE_GRACE_MS,
 };
 
@@ -32,6 +32,51 @@ pub trait Harness: Send + Sync {
     fn store(&self) -> Arc<dyn Store>;
     /// Lets `ms` of the store's clock pass.
     async fn advance(&self, ms: u64);
+}
+
+/// Ops written out in full ([`Op`], as tests and replayed histories hold them) applied to a
+/// store the way a face applies them: each is made a [`ValidOp`] first, and one that fails is
+/// answered [`GateError::Invalid`] without reaching the store.
+#[async_trait]
+pub trait ApplyOp {
+    /// [`Store::apply`] of `op` once it is validated.
+    async fn apply_op(&self, id: RecordId, op: Op) -> Result<Outcome, GateError>;
+
+    /// [`Store::apply_batch`] of the ops that pass validation; the others are answered
+    /// [`GateError::Invalid`] in their place, so the answers keep the ops' order.
+    async fn apply_ops(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>>;
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> ApplyOp for S {
+    async fn apply_op(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+        self.apply(id, ValidOp::try_from(op)?).await
+    }
+
+    async fn apply_ops(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+        let mut refused = Vec::new();
+        let mut valid = Vec::with_capacity(ops.len());
+        for (at, (id, op)) in ops.into_iter().enumerate() {
+            match ValidOp::try_from(op) {
+                Ok(op) => valid.push((id, op)),
+                Err(e) => refused.push((at, GateError::from(e))),
+            }
+        }
+        let mut decided = self.apply_batch(valid).await.into_iter();
+        let mut refused = refused.into_iter().peekable();
+        let mut out = Vec::with_capacity(decided.len() + refused.len());
+        loop {
+            if refused.peek().is_some_and(|(at, _)| *at == out.len()) {
+                let (_, e) = refused.next().expect("peeked");
+                out.push(Err(e));
+            } else if let Some(answer) = decided.next() {
+                out.push(answer);
+            } else {
+                out.extend(refused.map(|(_, e)| Err(e)));
+                return out;
+            }
+        }
+    }
 }
 
 /// One case of the suite.
@@ -108,7 +153,7 @@ impl Ctx {
     }
 
     async fn op(&self, key: &str, op: Op) -> Result<Outcome, GateError> {
-        self.store.apply(self.id(key), op).await
+        self.store.apply_op(self.id(key), op).await
     }
 
     async fn claim_with(&self, key: &str, fp: Option<&str>, owner: Option<&str>) -> Claim {
@@ -581,7 +626,7 @@ async fn same_owner_reclaim_never_shortens_its_lease(h: &dyn Harness) {
     let single = c.op("evt", claim(LEASE_MS)).await;
     let batch = c
         .store
-        .apply_batch(vec![
+        .apply_ops(vec![
             (c.id("b1"), claim(LEASE_MS)),
             (c.id("b2"), claim(LEASE_MS)),
         ])
@@ -837,7 +882,7 @@ async fn keys_are_stored_exactly(h: &dyn Harness) {
     let ns = format!("{ns_max}{:x}", rand::thread_rng().gen::<u64>());
     let id = RecordId::new(ns, "x").unwrap();
     assert!(matches!(
-        c.store.apply(id, claim_op(None, None)).await,
+        c.store.apply_op(id, claim_op(None, None)).await,
         Ok(Outcome::Claimed(Claim::New(_)))
     ));
 }
@@ -891,7 +936,7 @@ async fn batch_in_order_with_item_errors(h: &dyn Harness) {
         ),
         (c.id("b"), Op::Get),
     ];
-    let out = c.store.apply_batch(ops).await;
+    let out = c.store.apply_ops(ops).await;
     assert_eq!(out.len(), 6);
     assert!(
         matches!(out[0], Ok(Outcome::Claimed(Claim::New(_)))),
@@ -919,7 +964,7 @@ async fn batch_in_order_with_item_errors(h: &dyn Harness) {
     let big: Vec<_> = (0..2_000)
         .map(|i| (c.id(&format!("bulk-{i}")), claim_op(None, None)))
         .collect();
-    let out = c.store.apply_batch(big).await;
+    let out = c.store.apply_ops(big).await;
     assert!(out
         .iter()
         .all(|r| matches!(r, Ok(Outcome::Claimed(Claim::New(_))))));
@@ -967,7 +1012,7 @@ async fn concurrent_claims_one_new_per_key(h: &dyn Harness) {
                     fingerprint: None,
                     owner: None,
                 };
-                match store.apply(id, op).await {
+                match store.apply_op(id, op).await {
                     Ok(Outcome::Claimed(Claim::New(l))) => news.push((key, l.fence)),
                     Ok(Outcome::Claimed(Claim::Duplicate { .. })) => {}
                     other => panic!("concurrent claim: {other:?}"),
@@ -1010,7 +1055,7 @@ async fn concurrent_marks_one_new_per_key(h: &dyn Harness) {
                 })
                 .collect();
             store
-                .apply_batch(ops)
+                .apply_ops(ops)
                 .await
                 .into_iter()
                 .filter(|r| matches!(r, Ok(Outcome::Marked(Mark::New { .. }))))
@@ -1068,7 +1113,7 @@ async fn concurrent_overlapping_batches_one_new_per_key(h: &dyn Harness) {
                             (RecordId::new(ns.clone(), k.clone()).unwrap(), op)
                         })
                         .collect();
-                    let out = store.apply_batch(ops).await;
+                    let out = store.apply_ops(ops).await;
                     answered.push((keys, out));
                 }
                 answered

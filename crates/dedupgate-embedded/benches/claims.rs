@@ -9,6 +9,7 @@
 //! (`engines`: the baselines, the ceiling and the engine comparison; `ceiling`: the baselines and
 //! the ceiling only).
 
+use dedupgate_core::testkit::ApplyOp;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -97,7 +98,7 @@ async fn drive(
                     };
                     let id = RecordId::new(ns.as_str(), format!("t{t}-k{k}")).unwrap();
                     let at = Instant::now();
-                    let answer = store.apply(id, claim_op()).await;
+                    let answer = store.apply_op(id, claim_op()).await;
                     latencies_ns.push(at.elapsed().as_nanos() as u64);
                     match answer {
                         Ok(Outcome::Claimed(Claim::New(_))) => new += 1,

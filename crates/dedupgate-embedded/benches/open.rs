@@ -9,6 +9,7 @@
 //! Prints a markdown table. Files go under `DG_BENCH_DIR` (default the system temp dir) and are
 //! removed afterwards.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::time::Instant;
 
 use dedupgate_core::{Op, RecordId, Store};
@@ -38,7 +39,7 @@ fn fill(rt: &tokio::runtime::Runtime, store: &EmbeddedStore, n: usize, batch: us
                     )
                 })
                 .collect();
-            for r in store.apply_batch(ops).await {
+            for r in store.apply_ops(ops).await {
                 r.unwrap();
             }
             i += m;

@@ -9,9 +9,10 @@
 //! previous call's claims and claims a new batch), `again` (a re-run: claims of keys 0..KEYS,
 //! which a previous run into DIR made known). Batches of 4096 keys, one call at a time.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::time::{Duration, Instant};
 
-use dedupgate_core::{Claim, Op, Outcome, RecordId, Store, Token};
+use dedupgate_core::{Claim, Op, Outcome, RecordId, Token};
 use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
 
 // As in the CLI binary.
@@ -137,7 +138,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ops.extend(keyed.into_iter().map(|(_, o)| o));
         }
         let ids: Vec<RecordId> = ops[completes..].iter().map(|(id, _)| id.clone()).collect();
-        let answers = rt.block_on(store.apply_batch(ops));
+        let answers = rt.block_on(store.apply_ops(ops));
         for (i, a) in answers.into_iter().enumerate() {
             match a? {
                 Outcome::Claimed(Claim::New(lease)) if mode == "claim" => {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dedupgate_core::decide::decide_read_only;
 use dedupgate_core::{
-    Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats, SystemClock,
+    Clock, GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats, SystemClock, ValidOp,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -513,7 +513,7 @@ impl EmbeddedStore {
     /// answers (every acknowledged change is visible here), and because an id that the commit in flight may change, or any
     /// op during which a commit began or ended, is left to the writer (see `PendingIds`): so the
     /// answer's instant never runs ahead of a decision on the same id ordered after it.
-    fn answer_from_view(&self, id: &RecordId, op: &Op) -> Option<Result<Outcome, GateError>> {
+    fn answer_from_view(&self, id: &RecordId, op: &ValidOp) -> Option<Result<Outcome, GateError>> {
         let pending = &self.shared.pending;
         let epoch = pending.epoch();
         let mut key = Vec::with_capacity(64);
@@ -547,12 +547,12 @@ impl EmbeddedStore {
     }
 
     /// The answer from the view, when worth trying and possible; keeps the credit up to date.
-    fn try_view(&self, id: &RecordId, op: &Op) -> Option<Result<Outcome, GateError>> {
+    fn try_view(&self, id: &RecordId, op: &ValidOp) -> Option<Result<Outcome, GateError>> {
         if !self.view_worth_trying(op) {
             return None;
         }
         let answer = self.answer_from_view(id, op);
-        if !matches!(op, Op::Get) {
+        if !matches!(**op, Op::Get) {
             self.view_credit.record(answer.is_some());
         }
         answer
@@ -690,8 +690,7 @@ impl Drop for EmbeddedStore {
 
 #[async_trait]
 impl Store for EmbeddedStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
-        op.validate()?;
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         self.check_available()?;
         if let Some(answer) = self.try_view(&id, &op) {
             return answer;
@@ -701,7 +700,7 @@ impl Store for EmbeddedStore {
         rx.await.map_err(|_| writer_gone())?
     }
 
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         if ops.is_empty() {
             return Vec::new();
         }
@@ -717,7 +716,7 @@ impl Store for EmbeddedStore {
         // Answer what the durable view can; the rest goes to the writer in order. Once an id has
         // an op for the writer, its later ops follow it there, so they see its change.
         let mut answers: Vec<Option<Result<Outcome, GateError>>> = Vec::with_capacity(n);
-        let mut to_writer: Vec<(RecordId, Op)> = Vec::with_capacity(n);
+        let mut to_writer: Vec<(RecordId, ValidOp)> = Vec::with_capacity(n);
         // Hashes of the ids sent to the writer so far (a collision only sends an op there too).
         let mut writer_ids: HashSet<u64, BuildHasherDefault<PassThrough>> =
             HashSet::with_capacity_and_hasher(n, Default::default());

@@ -5,6 +5,7 @@
 //! The child is this test binary run again with `DG_CRASH_DIR` set (see `crash_child_entry`).
 //! `DG_CRASH_SEED` replays a run; `DG_CRASH_ITERS` changes the number of kills (default 50).
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -66,13 +67,13 @@ fn crash_child_entry() {
                             fingerprint: None,
                             result: Some(serde_json::json!({"n": n})),
                         };
-                        match store.apply(id, op).await {
+                        match store.apply_op(id, op).await {
                             Ok(Outcome::Marked(Mark::New { record })) => say("mark", record.fence),
                             other => panic!("mark {key}: {other:?}"),
                         }
                         continue;
                     }
-                    let lease = match store.apply(id.clone(), claim_op()).await {
+                    let lease = match store.apply_op(id.clone(), claim_op()).await {
                         Ok(Outcome::Claimed(Claim::New(lease))) => lease,
                         other => panic!("claim {key}: {other:?}"),
                     };
@@ -83,7 +84,7 @@ fn crash_child_entry() {
                             result: Some(serde_json::json!(n)),
                             ttl_ms: None,
                         };
-                        match store.apply(id, op).await {
+                        match store.apply_op(id, op).await {
                             Ok(Outcome::Completed(r)) => say("complete", r.fence),
                             other => panic!("complete {key}: {other:?}"),
                         }
@@ -236,7 +237,7 @@ fn sigkill_at_random_moments_loses_no_acknowledged_key() {
 
 async fn check(store: &EmbeddedStore, key: &str, acked: &Acked, seed: u64, iter: usize) {
     let id = RecordId::new(NS, key).unwrap();
-    let found = match store.apply(id, Op::Get).await {
+    let found = match store.apply_op(id, Op::Get).await {
         Ok(Outcome::Found(r)) => r,
         other => panic!("seed {seed} iter {iter}: get {key}: {other:?}"),
     };

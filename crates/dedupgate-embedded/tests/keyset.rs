@@ -2,6 +2,7 @@
 //! store's clock, namespaces, repeats within a call, what survives a reopen, the sweeper,
 //! forgetting, undecodable chunks, and refusals that change nothing.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -297,18 +298,20 @@ async fn live_gate_records_of_the_namespace_count_as_known_keys() {
         fingerprint: None,
         owner: None,
     };
-    store.apply(rid("marked"), mark).await.unwrap();
-    store.apply(rid("held"), claim(TTL_MS)).await.unwrap();
-    let Outcome::Claimed(Claim::New(lease)) =
-        store.apply(rid("released"), claim(TTL_MS)).await.unwrap()
+    store.apply_op(rid("marked"), mark).await.unwrap();
+    store.apply_op(rid("held"), claim(TTL_MS)).await.unwrap();
+    let Outcome::Claimed(Claim::New(lease)) = store
+        .apply_op(rid("released"), claim(TTL_MS))
+        .await
+        .unwrap()
     else {
         panic!("a new claim")
     };
     let release = Op::Release {
         token: lease.token.clone(),
     };
-    store.apply(rid("released"), release).await.unwrap();
-    store.apply(rid("lapsed"), claim(100)).await.unwrap();
+    store.apply_op(rid("released"), release).await.unwrap();
+    store.apply_op(rid("lapsed"), claim(100)).await.unwrap();
     clock.advance(100);
     let names = ["marked", "held", "released", "lapsed", "never"];
     let mut c = call("p", vec![], ids(0..5), false);

@@ -2,6 +2,7 @@
 //! clear errors (missing, not a directory, corrupt, unknown format, read-only, full) that leave
 //! the directory as they found it. Failing closed on a real full disk is tested on a tiny tmpfs.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,7 +40,7 @@ fn mark_op(result: serde_json::Value) -> Op {
 }
 
 async fn get(store: &dyn Store, key: &str) -> Result<Option<Record>, GateError> {
-    match store.apply(id(key), Op::Get).await? {
+    match store.apply_op(id(key), Op::Get).await? {
         Outcome::Found(r) => Ok(r),
         other => panic!("get answered {other:?}"),
     }
@@ -133,14 +134,14 @@ async fn reopen_after_close_keeps_every_record() {
             match i % 4 {
                 0 => {
                     let Outcome::Claimed(Claim::New(_)) =
-                        store.apply(id(&key), claim_op()).await.unwrap()
+                        store.apply_op(id(&key), claim_op()).await.unwrap()
                     else {
                         panic!("fresh key")
                     };
                 }
                 1 => {
                     let Outcome::Claimed(Claim::New(l)) =
-                        store.apply(id(&key), claim_op()).await.unwrap()
+                        store.apply_op(id(&key), claim_op()).await.unwrap()
                     else {
                         panic!("fresh key")
                     };
@@ -149,22 +150,22 @@ async fn reopen_after_close_keeps_every_record() {
                         result: Some(json!({"n": i, "s": "ü"})),
                         ttl_ms: None,
                     };
-                    store.apply(id(&key), op).await.unwrap();
+                    store.apply_op(id(&key), op).await.unwrap();
                 }
                 2 => {
                     store
-                        .apply(id(&key), mark_op(json!([i, 1.5, null])))
+                        .apply_op(id(&key), mark_op(json!([i, 1.5, null])))
                         .await
                         .unwrap();
                 }
                 _ => {
                     let Outcome::Claimed(Claim::New(l)) =
-                        store.apply(id(&key), claim_op()).await.unwrap()
+                        store.apply_op(id(&key), claim_op()).await.unwrap()
                     else {
                         panic!("fresh key")
                     };
                     store
-                        .apply(id(&key), Op::Release { token: l.token })
+                        .apply_op(id(&key), Op::Release { token: l.token })
                         .await
                         .unwrap();
                     released.push((key.clone(), l.fence));
@@ -185,7 +186,7 @@ async fn reopen_after_close_keeps_every_record() {
     for (key, fence) in released {
         assert_eq!(get(&store, &key).await.unwrap(), None);
         // The release tombstone survived the restart: the next claim's fence is higher.
-        let Outcome::Claimed(Claim::New(l)) = store.apply(id(&key), claim_op()).await.unwrap()
+        let Outcome::Claimed(Claim::New(l)) = store.apply_op(id(&key), claim_op()).await.unwrap()
         else {
             panic!("a released key is free")
         };
@@ -204,13 +205,13 @@ async fn the_clock_never_starts_below_the_persisted_high_water_mark() {
             ..EmbeddedOptions::default()
         };
         let store = EmbeddedStore::open(tmp.path(), options).unwrap();
-        store.apply(id("k"), claim_op()).await.unwrap();
+        store.apply_op(id("k"), claim_op()).await.unwrap();
     }
     // Production clock: the system clock, floored at what the store persisted.
     let store = open(tmp.path()).unwrap();
     assert!(store.clock().now_ms() >= far_future_ms);
     // So the lease of the claim made "in the year 3000" is still judged as held.
-    let again = store.apply(id("k"), claim_op()).await.unwrap();
+    let again = store.apply_op(id("k"), claim_op()).await.unwrap();
     assert!(matches!(again, Outcome::Claimed(Claim::Duplicate { .. })));
 }
 
@@ -369,15 +370,15 @@ async fn a_corrupt_entry_is_an_error_never_absent() {
     let tmp = tempfile::tempdir().unwrap();
     {
         let store = open(tmp.path()).unwrap();
-        store.apply(id("good"), mark_op(json!(1))).await.unwrap();
-        store.apply(id("bad"), mark_op(json!(2))).await.unwrap();
+        store.apply_op(id("good"), mark_op(json!(1))).await.unwrap();
+        store.apply_op(id("bad"), mark_op(json!(2))).await.unwrap();
     }
     let mut bad_key = Vec::new();
     dedupgate_embedded::codec::encode_id(&id("bad"), &mut bad_key);
     raw_put(tmp.path(), "entries", &bad_key, b"\x01\x07junk");
     let store = open(tmp.path()).unwrap();
     for op in [Op::Get, claim_op(), mark_op(json!(3)), Op::Forget] {
-        let r = store.apply(id("bad"), op).await;
+        let r = store.apply_op(id("bad"), op).await;
         assert!(
             matches!(r, Err(GateError::Store(StoreError::Corrupt(_)))),
             "{r:?}"
@@ -385,7 +386,7 @@ async fn a_corrupt_entry_is_an_error_never_absent() {
     }
     // In a batch only that op fails; the store stays up for every other key.
     let answers = store
-        .apply_batch(vec![(id("bad"), Op::Get), (id("good"), Op::Get)])
+        .apply_ops(vec![(id("bad"), Op::Get), (id("good"), Op::Get)])
         .await;
     assert!(matches!(
         answers[0],
@@ -401,7 +402,7 @@ async fn batches_see_earlier_ops_and_share_one_commit() {
     let store = open(tmp.path()).unwrap();
     let before = store.commits_total();
     let answers = store
-        .apply_batch(vec![
+        .apply_ops(vec![
             (id("b"), claim_op()),
             (id("b"), claim_op()),
             (
@@ -446,8 +447,11 @@ async fn the_background_sweeper_bounds_what_is_held() {
             (id(&format!("s{i}")), op)
         })
         .collect();
-    store.apply_batch(ops).await;
-    store.apply(id("keeper"), mark_op(json!(0))).await.unwrap();
+    store.apply_ops(ops).await;
+    store
+        .apply_op(id("keeper"), mark_op(json!(0)))
+        .await
+        .unwrap();
     assert_eq!(store.stats().await.unwrap().records_held, Some(501));
     clock.advance(1_000);
     // No explicit sweep: the background thread removes them in batches of 50.
@@ -538,7 +542,7 @@ async fn a_read_only_file_system_is_refused_and_unchanged() {
     let dir = fs.path.join("store");
     {
         let store = open(&dir).unwrap();
-        store.apply(id("k"), mark_op(json!(1))).await.unwrap();
+        store.apply_op(id("k"), mark_op(json!(1))).await.unwrap();
     }
     fs.remount("ro");
     let before = snapshot(&dir);
@@ -563,7 +567,7 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     for i in 0..50 {
         let key = format!("e{i}");
         let Outcome::Marked(Mark::New { record }) =
-            store.apply(id(&key), mark_op(json!(i))).await.unwrap()
+            store.apply_op(id(&key), mark_op(json!(i))).await.unwrap()
         else {
             panic!("fresh key")
         };
@@ -575,7 +579,7 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     let mut first_failure = None;
     for i in 0..5_000 {
         let key = format!("f{i}");
-        match store.apply(id(&key), mark_op(big.clone())).await {
+        match store.apply_op(id(&key), mark_op(big.clone())).await {
             Ok(Outcome::Marked(Mark::New { record })) => acked.push((key, record)),
             Ok(other) => panic!("unexpected {other:?}"),
             Err(GateError::Store(StoreError::Unavailable(why))) => {
@@ -591,7 +595,7 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     // (the reopened engine cannot commit either, and fails closed again).
     for i in 0..20 {
         let r = store
-            .apply(id(&format!("g{i}")), mark_op(big.clone()))
+            .apply_op(id(&format!("g{i}")), mark_op(big.clone()))
             .await;
         assert!(
             matches!(r, Err(GateError::Store(StoreError::Unavailable(_)))),
@@ -602,7 +606,8 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
     std::fs::remove_file(filler).unwrap();
     let mut resumed = false;
     for _ in 0..300 {
-        if store.health().await.is_ok() && store.apply(id("after"), mark_op(json!(1))).await.is_ok()
+        if store.health().await.is_ok()
+            && store.apply_op(id("after"), mark_op(json!(1))).await.is_ok()
         {
             resumed = true;
             break;
@@ -626,15 +631,21 @@ async fn a_failed_write_fails_closed_until_the_store_has_reopened() {
 async fn duplicates_and_gets_are_answered_from_the_last_durable_commit_without_a_commit() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path()).unwrap();
-    store.apply(id("seen"), mark_op(json!("r"))).await.unwrap();
+    store
+        .apply_op(id("seen"), mark_op(json!("r")))
+        .await
+        .unwrap();
     let before = store.commits_total();
     for _ in 0..20 {
-        let again = store.apply(id("seen"), mark_op(json!("r"))).await.unwrap();
+        let again = store
+            .apply_op(id("seen"), mark_op(json!("r")))
+            .await
+            .unwrap();
         assert!(
             matches!(again, Outcome::Marked(Mark::Duplicate { .. })),
             "{again:?}"
         );
-        let got = store.apply(id("seen"), Op::Get).await.unwrap();
+        let got = store.apply_op(id("seen"), Op::Get).await.unwrap();
         assert!(matches!(got, Outcome::Found(Some(_))), "{got:?}");
     }
     assert_eq!(
@@ -643,8 +654,8 @@ async fn duplicates_and_gets_are_answered_from_the_last_durable_commit_without_a
         "no commit for answers that change nothing"
     );
     // A change is visible to the next read as soon as it is acknowledged.
-    store.apply(id("seen"), Op::Forget).await.unwrap();
-    let gone = store.apply(id("seen"), Op::Get).await.unwrap();
+    store.apply_op(id("seen"), Op::Forget).await.unwrap();
+    let gone = store.apply_op(id("seen"), Op::Get).await.unwrap();
     assert!(matches!(gone, Outcome::Found(None)), "{gone:?}");
 }
 
@@ -652,9 +663,9 @@ async fn duplicates_and_gets_are_answered_from_the_last_durable_commit_without_a
 async fn in_a_batch_ops_after_a_change_to_their_id_see_it() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path()).unwrap();
-    store.apply(id("x"), mark_op(json!(1))).await.unwrap();
+    store.apply_op(id("x"), mark_op(json!(1))).await.unwrap();
     let answers = store
-        .apply_batch(vec![
+        .apply_ops(vec![
             (id("x"), Op::Get),
             (id("x"), Op::Forget),
             (id("x"), Op::Get),
@@ -713,7 +724,7 @@ async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
         fingerprint: None,
         owner: None,
     };
-    let first = store.apply(id("x"), short_lease.clone()).await.unwrap();
+    let first = store.apply_op(id("x"), short_lease.clone()).await.unwrap();
     let Outcome::Claimed(Claim::New(first)) = first else {
         panic!("{first:?}")
     };
@@ -723,7 +734,7 @@ async fn an_op_on_an_id_a_commit_in_flight_changes_waits_for_that_commit() {
     let takeover = tokio::spawn({
         let store = store.clone();
         let op = short_lease.clone();
-        async move { store.apply(id("x"), op).await }
+        async move { store.apply_op(id("x"), op).await }
     });
     {
         let (lock, cv) = &*hold;
@@ -824,7 +835,7 @@ async fn a_commit_with_many_waiters_answers_them_only_after_its_sync_and_each_is
     };
     let spawn_claim = |key: String| {
         let store = store.clone();
-        tokio::spawn(async move { (key.clone(), store.apply(id(&key), claim_op()).await) })
+        tokio::spawn(async move { (key.clone(), store.apply_op(id(&key), claim_op()).await) })
     };
     // A first commit is held after its sync; the claims sent meanwhile queue up and go into the
     // next commit together: more waiters than the writer answers itself.
@@ -893,7 +904,7 @@ async fn a_format_2_store_is_migrated_at_open_and_keeps_its_records() {
     let engine_dir = tmp.path().join(ENGINE_DIR_NAME);
     {
         let store = open(tmp.path()).unwrap();
-        store.apply(id("kept"), mark_op(json!(7))).await.unwrap();
+        store.apply_op(id("kept"), mark_op(json!(7))).await.unwrap();
     }
     // Turn it into what a format-2 build left: version 2 in the engine's meta and the file.
     raw_put(tmp.path(), "meta", b"format_version", &2u64.to_le_bytes());
@@ -964,7 +975,7 @@ async fn a_format_3_key_set_is_rewritten_as_chunks_at_open() {
     let tmp = tempfile::tempdir().unwrap();
     {
         let store = open(tmp.path()).unwrap();
-        store.apply(id("kept"), mark_op(json!(7))).await.unwrap();
+        store.apply_op(id("kept"), mark_op(json!(7))).await.unwrap();
     }
     let now_ms = u64::try_from(
         std::time::SystemTime::now()
@@ -1092,7 +1103,7 @@ async fn a_sweep_raises_the_persisted_clock_floor() {
             fingerprint: None,
             result: None,
         };
-        store.apply(id("short"), op).await.unwrap();
+        store.apply_op(id("short"), op).await.unwrap();
         clock.advance(5_000_000);
         assert_eq!(store.sweep_expired(100).await.unwrap(), 1);
     }
@@ -1132,7 +1143,7 @@ async fn the_writer_finds_stored_ids_across_reopens_while_and_after_the_id_filte
         let store = open(&dir).unwrap();
         for start in (0..STORED).step_by(BATCH) {
             tokens.extend(new_tokens(
-                store.apply_batch(claims(start..start + BATCH)).await,
+                store.apply_ops(claims(start..start + BATCH)).await,
             ));
         }
     }
@@ -1149,7 +1160,7 @@ async fn the_writer_finds_stored_ids_across_reopens_while_and_after_the_id_filte
                     (key(i), op)
                 })
                 .collect();
-            for (i, answer) in store.apply_batch(extends).await.into_iter().enumerate() {
+            for (i, answer) in store.apply_ops(extends).await.into_iter().enumerate() {
                 assert!(
                     matches!(answer, Ok(Outcome::Extended { .. })),
                     "round {round}, key {}: {answer:?}",
@@ -1158,9 +1169,9 @@ async fn the_writer_finds_stored_ids_across_reopens_while_and_after_the_id_filte
             }
         }
         let fresh = STORED + round * BATCH..STORED + (round + 1) * BATCH;
-        let fresh_tokens = new_tokens(store.apply_batch(claims(fresh.clone())).await);
+        let fresh_tokens = new_tokens(store.apply_ops(claims(fresh.clone())).await);
         assert_eq!(fresh_tokens.len(), BATCH);
-        for answer in store.apply_batch(claims(fresh)).await {
+        for answer in store.apply_ops(claims(fresh)).await {
             assert!(
                 matches!(answer, Ok(Outcome::Claimed(Claim::Duplicate { .. }))),
                 "{answer:?}"

@@ -6,12 +6,13 @@
 //! postgres://postgres@127.0.0.1:5432/test), DEDUPGATE_BENCH_SECS (default 4),
 //! DEDUPGATE_BENCH_CLIENTS (default "16,50"), PGBENCH (default `pgbench`).
 
+use dedupgate_core::testkit::ApplyOp;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dedupgate_core::{Claim, Op, Outcome, RecordId, Store};
+use dedupgate_core::{Claim, Op, Outcome, RecordId};
 use dedupgate_postgres::{PgOptions, PgStore};
 use tokio_postgres::config::Host;
 
@@ -68,13 +69,13 @@ async fn run_gate(store: Arc<PgStore>, clients: usize, batch: usize, secs: u64) 
                 while !stop.load(Ordering::Relaxed) {
                     let t = Instant::now();
                     if batch == 1 {
-                        match store.apply(key(&mut rng), claim()).await {
+                        match store.apply_op(key(&mut rng), claim()).await {
                             Ok(Outcome::Claimed(Claim::New(_) | Claim::Duplicate { .. })) => {}
                             other => panic!("claim: {other:?}"),
                         }
                     } else {
                         let batch_ops = (0..batch).map(|_| (key(&mut rng), claim())).collect();
-                        for a in store.apply_batch(batch_ops).await {
+                        for a in store.apply_ops(batch_ops).await {
                             assert!(a.is_ok(), "batch item: {a:?}");
                         }
                     }

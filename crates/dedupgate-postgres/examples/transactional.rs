@@ -5,7 +5,7 @@
 //! cargo run -p dedupgate-postgres --example transactional -- postgres://postgres@127.0.0.1:5432/test
 //! ```
 
-use dedupgate_core::{Claim, Op, Outcome, RecordId};
+use dedupgate_core::{Claim, ClaimOptions, CompleteOptions, Defaults, Outcome, RecordId, ValidOp};
 use dedupgate_postgres::tokio_postgres::{self, NoTls};
 use dedupgate_postgres::PgStore;
 
@@ -28,12 +28,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let event_id = "stripe_evt_1234";
     let id = RecordId::new("payments", event_id)?;
     let tx = client.transaction().await?;
-    let claim = Op::Claim {
-        ttl_ms: 24 * 60 * 60 * 1000,
-        lease_ms: 30_000,
-        fingerprint: None,
-        owner: None,
-    };
+    // The defaults: a 24 h ttl and a 30 s lease.
+    let claim = ValidOp::claim(ClaimOptions::default(), Defaults::default())?;
     match store.claim_in(&tx, id.clone(), claim).await? {
         Claim::Duplicate { record } => {
             println!("{event_id}: duplicate (fence {}), skipped", record.fence);
@@ -46,17 +42,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 &[&event_id, &1250_i64],
             )
             .await?;
-            let done = store
-                .apply_in(
-                    &tx,
-                    id,
-                    Op::Complete {
-                        token: lease.token,
-                        result: Some(serde_json::json!({"amount_cents": 1250})),
-                        ttl_ms: None,
-                    },
-                )
-                .await?;
+            let complete = CompleteOptions {
+                result: Some(serde_json::json!({"amount_cents": 1250})),
+                ttl_ms: None,
+            };
+            let complete = ValidOp::complete(lease.token, complete)?;
+            let done = store.apply_in(&tx, id, complete).await?;
             // Both commit together; a crash before this line leaves neither.
             tx.commit().await?;
             if let Outcome::Completed(record) = done {

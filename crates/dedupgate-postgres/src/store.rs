@@ -7,8 +7,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use dedupgate_core::{
-    Claim, CoalesceLimits, Coalescer, GateError, Lease, Mark, Op, Outcome, Record, RecordId, State,
-    Store, StoreError, StoreStats, Token, BATCH_OPS_MAX,
+    Claim, CoalesceLimits, Coalescer, Defaults, GateError, Lease, Mark, MarkOptions, Op, Outcome,
+    Record, RecordId, State, Store, StoreError, StoreStats, Token, ValidOp, BATCH_OPS_MAX,
 };
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{GenericClient, NoTls, Row};
@@ -478,9 +478,8 @@ impl PgStore {
         &self,
         client: &C,
         id: RecordId,
-        op: Op,
+        op: ValidOp,
     ) -> Result<Outcome, GateError> {
-        op.validate()?;
         let token = Token::generate();
         let (kind, params) = call_of(&id, &op, &token);
         let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
@@ -502,9 +501,9 @@ impl PgStore {
         &self,
         client: &C,
         id: RecordId,
-        op: Op,
+        op: ValidOp,
     ) -> Result<Claim, GateError> {
-        if !matches!(op, Op::Claim { .. }) {
+        if !matches!(*op, Op::Claim { .. }) {
             return Err(dedupgate_core::InvalidInput::new("op", "claim_in takes a claim").into());
         }
         match self.apply_in(client, id, op).await? {
@@ -522,11 +521,12 @@ impl PgStore {
         fingerprint: Option<String>,
         result: Option<serde_json::Value>,
     ) -> Result<Mark, GateError> {
-        let op = Op::Mark {
-            ttl_ms,
+        let opts = MarkOptions {
+            ttl_ms: Some(ttl_ms),
             fingerprint,
             result,
         };
+        let op = ValidOp::mark(opts, Defaults::default())?;
         match self.apply_in(client, id, op).await? {
             Outcome::Marked(m) => Ok(m),
             other => Err(corrupt(format!("mark answered {}", other.label()))),
@@ -537,7 +537,7 @@ impl PgStore {
     /// one transaction, one commit.
     async fn batch_pooled(
         &self,
-        ops: &[(RecordId, Op)],
+        ops: &[(RecordId, ValidOp)],
     ) -> Result<Vec<Result<Outcome, GateError>>, GateError> {
         let n = ops.len();
         let mut kind = Vec::with_capacity(n);
@@ -554,7 +554,7 @@ impl PgStore {
         for (id, op) in ops {
             ns.push(id.namespace.as_str().as_bytes().to_vec());
             key.push(id.key.as_str().as_bytes().to_vec());
-            let (k, t, l, f, o, tk, r) = match op {
+            let (k, t, l, f, o, tk, r) = match &**op {
                 Op::Claim {
                     ttl_ms,
                     lease_ms,
@@ -667,8 +667,7 @@ fn timed_out() -> GateError {
 
 #[async_trait]
 impl Store for PgStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
-        op.validate()?;
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         if let Some(coalescer) = &self.coalescer {
             // Bounded like an uncoalesced op: the wait for a slot counts too (a timed-out op
             // may still be decided later, which is what `unavailable` means).
@@ -681,7 +680,7 @@ impl Store for PgStore {
             .map_err(|_| timed_out())?
     }
 
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         let n = ops.len();
         if n > BATCH_OPS_MAX {
             let msg = format!("a batch holds at most {BATCH_OPS_MAX} ops, got {n}");
@@ -689,39 +688,28 @@ impl Store for PgStore {
                 .map(|_| Err(dedupgate_core::InvalidInput::new("ops", msg.clone()).into()))
                 .collect();
         }
-        // Invalid ops get their own error item and never reach the database.
-        let mut out: Vec<Option<Result<Outcome, GateError>>> = Vec::with_capacity(n);
-        let mut valid = Vec::with_capacity(n);
-        for (id, op) in ops {
-            match op.validate() {
-                Ok(()) => {
-                    out.push(None);
-                    valid.push((id, op));
-                }
-                Err(e) => out.push(Some(Err(e.into()))),
-            }
+        if ops.is_empty() {
+            return Vec::new();
         }
-        if !valid.is_empty() {
-            let answers =
-                tokio::time::timeout(self.options.op_timeout(), self.batch_pooled(&valid)).await;
-            let answers: Vec<Result<Outcome, GateError>> = match answers {
-                Ok(Ok(a)) => a,
-                Ok(Err(e)) => {
-                    let msg = e.to_string();
-                    valid
-                        .iter()
-                        .map(|_| Err(StoreError::Unavailable(msg.clone()).into()))
-                        .collect()
-                }
-                Err(_) => valid.iter().map(|_| Err(timed_out())).collect(),
-            };
-            let mut answers = answers.into_iter();
-            for slot in out.iter_mut().filter(|s| s.is_none()) {
-                *slot = answers.next();
+        let answers =
+            tokio::time::timeout(self.options.op_timeout(), self.batch_pooled(&ops)).await;
+        let mut answers = match answers {
+            Ok(Ok(a)) => a.into_iter(),
+            Ok(Err(e)) => {
+                let msg = e.to_string();
+                return ops
+                    .iter()
+                    .map(|_| Err(StoreError::Unavailable(msg.clone()).into()))
+                    .collect();
             }
-        }
-        out.into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(corrupt("batch answer missing"))))
+            Err(_) => return ops.iter().map(|_| Err(timed_out())).collect(),
+        };
+        (0..n)
+            .map(|_| {
+                answers
+                    .next()
+                    .unwrap_or_else(|| Err(corrupt("batch answer missing")))
+            })
             .collect()
     }
 

@@ -7,10 +7,11 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use dedupgate_core::{Claim, GateError, Mark, Op, Outcome, RecordId, State, Store};
+use dedupgate_core::{Claim, GateError, Mark, Op, Outcome, RecordId, State};
 
 const KEYS: usize = 5_000;
 
@@ -51,7 +52,7 @@ async fn a_batch_of_new_keys_answers_each_with_the_row_it_committed() {
                 (id("claim", i), op)
             })
             .collect();
-        let answers = store.apply_batch(claims).await;
+        let answers = store.apply_ops(claims).await;
         let mut tokens = HashSet::new();
         for (i, answer) in answers.into_iter().enumerate() {
             let lease = match answer {
@@ -62,7 +63,7 @@ async fn a_batch_of_new_keys_answers_each_with_the_row_it_committed() {
                 tokens.insert(lease.token.clone()),
                 "claim {i}: token repeated"
             );
-            let row = match store.apply(id("claim", i), Op::Get).await {
+            let row = match store.apply_op(id("claim", i), Op::Get).await {
                 Ok(Outcome::Found(Some(row))) => row,
                 other => panic!("get claim {i}: {other:?}"),
             };
@@ -78,7 +79,7 @@ async fn a_batch_of_new_keys_answers_each_with_the_row_it_committed() {
             assert_eq!(row.owner.as_deref(), Some(&*format!("worker-{}", i % 7)));
             // The token it answered is the one the row holds: it completes the claim.
             let done = store
-                .apply(
+                .apply_op(
                     id("claim", i),
                     Op::Complete {
                         token: lease.token,
@@ -103,13 +104,13 @@ async fn a_batch_of_new_keys_answers_each_with_the_row_it_committed() {
                 (id("mark", i), op)
             })
             .collect();
-        let answers = store.apply_batch(marks).await;
+        let answers = store.apply_ops(marks).await;
         for (i, answer) in answers.into_iter().enumerate() {
             let record = match answer {
                 Ok(Outcome::Marked(Mark::New { record })) => record,
                 other => panic!("mark {i}: {other:?}"),
             };
-            match store.apply(id("mark", i), Op::Get).await {
+            match store.apply_op(id("mark", i), Op::Get).await {
                 Ok(Outcome::Found(Some(row))) => assert_eq!(row, record, "mark {i}"),
                 other => panic!("get mark {i}: {other:?}"),
             }
@@ -137,7 +138,7 @@ async fn a_mixed_batch_answers_each_key_from_the_path_it_took() {
             before.push((id("mm", i), mark(Some("a"))));
             before.push((id("exp", i), claim(None, 1, 1)));
         }
-        for (i, r) in store.apply_batch(before).await.into_iter().enumerate() {
+        for (i, r) in store.apply_ops(before).await.into_iter().enumerate() {
             assert!(r.is_ok(), "setup {i}: {r:?}");
         }
         // The claims of "exp" live 1 ms: let them expire on the database's clock.
@@ -152,11 +153,11 @@ async fn a_mixed_batch_answers_each_key_from_the_path_it_took() {
             })
             .collect();
         let keys: Vec<_> = ops.iter().map(|(id, _)| id.clone()).collect();
-        let answers = store.apply_batch(ops).await;
+        let answers = store.apply_ops(ops).await;
         assert_eq!(answers.len(), keys.len());
         for (n, (key, answer)) in keys.into_iter().zip(answers).enumerate() {
             let kind = kinds[n % kinds.len()];
-            let row = match store.apply(key.clone(), Op::Get).await {
+            let row = match store.apply_op(key.clone(), Op::Get).await {
                 Ok(Outcome::Found(Some(row))) => row,
                 other => panic!("get {key:?}: {other:?}"),
             };

@@ -12,10 +12,11 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dedupgate_core::{Claim, GateError, Mark, Op, Outcome, RecordId, Store, Token};
+use dedupgate_core::{Claim, GateError, Mark, Op, Outcome, RecordId, Token};
 use dedupgate_postgres::PgStore;
 
 /// How long a lock is held: well past `TTL_MS`, so the record expires while an op waits.
@@ -67,7 +68,10 @@ async fn lock_row(url: &str, schema: &str, id: &RecordId) -> tokio_postgres::Cli
 async fn write_row(store: &PgStore, url: &str, id: &RecordId) -> tokio_postgres::Client {
     let client = common::connect(url).await;
     client.batch_execute("BEGIN").await.unwrap();
-    match store.apply_in(&client, id.clone(), mark(TTL_MS)).await {
+    match store
+        .apply_in(&client, id.clone(), valid(mark(TTL_MS)))
+        .await
+    {
         Ok(Outcome::Marked(Mark::New { .. })) => {}
         other => panic!("uncommitted mark of {id:?}: {other:?}"),
     }
@@ -93,7 +97,7 @@ async fn apply_behind(
     id: RecordId,
     op: Op,
 ) -> (Result<Outcome, GateError>, u64) {
-    let waiting = tokio::spawn(async move { store.apply(id, op).await });
+    let waiting = tokio::spawn(async move { store.apply_op(id, op).await });
     tokio::time::sleep(Duration::from_millis(HOLD_MS)).await;
     let released_at_ms = clock_ms(&holder, schema).await;
     holder.batch_execute("COMMIT").await.unwrap();
@@ -106,7 +110,7 @@ fn id(ns: &str, key: &str) -> RecordId {
 
 /// Makes the record of `id` dead (expired), so a lock-free read finds nothing live.
 async fn dead_record(store: &PgStore, id: &RecordId) {
-    store.apply(id.clone(), mark(1)).await.expect("mark");
+    store.apply_op(id.clone(), mark(1)).await.expect("mark");
     tokio::time::sleep(Duration::from_millis(20)).await;
 }
 
@@ -165,13 +169,13 @@ async fn ops_that_waited_for_a_lock_judge_the_record_after_the_wait() {
         let mut tokens: Vec<(RecordId, Token)> = Vec::new();
         for key in ["complete", "extend", "release"] {
             let k = id("clock", key);
-            match store.apply(k.clone(), claim(TTL_MS, TTL_MS)).await {
+            match store.apply_op(k.clone(), claim(TTL_MS, TTL_MS)).await {
                 Ok(Outcome::Claimed(Claim::New(lease))) => tokens.push((k, lease.token)),
                 other => panic!("setup claim of {key}: {other:?}"),
             }
         }
         store
-            .apply(id("clock", "forget"), mark(TTL_MS))
+            .apply_op(id("clock", "forget"), mark(TTL_MS))
             .await
             .unwrap();
         dead_record(&store, &id("clock", "mark-taken-over")).await;
@@ -260,7 +264,7 @@ async fn batches_that_waited_for_a_lock_judge_the_record_after_the_wait() {
                 (inserted, op),
             ];
             let store = store.clone();
-            let waiting = tokio::spawn(async move { store.apply_batch(batch).await });
+            let waiting = tokio::spawn(async move { store.apply_ops(batch).await });
             waits.push((kind, holders, waiting));
         }
         tokio::time::sleep(Duration::from_millis(HOLD_MS)).await;
@@ -314,7 +318,7 @@ async fn claims_granted_after_a_rolled_back_insert_get_a_lease_from_after_the_wa
         let tx = holder.transaction().await.unwrap();
         for k in [&single, &batched] {
             match store
-                .apply_in(&tx, k.clone(), claim(60_000, lease_ms))
+                .apply_in(&tx, k.clone(), valid(claim(60_000, lease_ms)))
                 .await
             {
                 Ok(Outcome::Claimed(Claim::New(_))) => {}
@@ -322,10 +326,10 @@ async fn claims_granted_after_a_rolled_back_insert_get_a_lease_from_after_the_wa
             }
         }
         let s1 = store.clone();
-        let one = tokio::spawn(async move { s1.apply(single, claim(60_000, lease_ms)).await });
+        let one = tokio::spawn(async move { s1.apply_op(single, claim(60_000, lease_ms)).await });
         let s2 = store.clone();
         let many = tokio::spawn(async move {
-            s2.apply_batch(vec![
+            s2.apply_ops(vec![
                 (id("insert", "other"), claim(60_000, lease_ms)),
                 (batched, claim(60_000, lease_ms)),
             ])
@@ -349,4 +353,9 @@ async fn claims_granted_after_a_rolled_back_insert_get_a_lease_from_after_the_wa
         }
     })
     .await;
+}
+
+/// The test's op as the core builds it (the transactional API takes only a validated op).
+fn valid(op: Op) -> dedupgate_core::ValidOp {
+    op.try_into().expect("the test's ops are valid")
 }

@@ -4,6 +4,7 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,7 +75,7 @@ async fn kill_minus_nine_during_load_then_recover() {
                     // outcome followed by a re-claim must still answer new (same owner).
                     loop {
                         let seen = phase.load(Ordering::SeqCst);
-                        let answer = store.apply(id.clone(), claim(&owner)).await;
+                        let answer = store.apply_op(id.clone(), claim(&owner)).await;
                         let after = phase.load(Ordering::SeqCst);
                         let down = seen == DOWN && after == DOWN;
                         let retry = {
@@ -124,7 +125,7 @@ async fn kill_minus_nine_during_load_then_recover() {
                         if let Some((k, fence)) = check {
                             let id = RecordId::new("failure", k.clone()).unwrap();
                             let seen = phase.load(Ordering::SeqCst);
-                            let answer = store.apply(id, claim("checker")).await;
+                            let answer = store.apply_op(id, claim("checker")).await;
                             let down = seen == DOWN && phase.load(Ordering::SeqCst) == DOWN;
                             let mut log = log.lock().unwrap();
                             match answer {
@@ -206,7 +207,7 @@ async fn kill_minus_nine_during_load_then_recover() {
     // Every acknowledged claim is decided the same way after the restart.
     for (key, fence) in &log.acked {
         let id = RecordId::new("failure", key.clone()).unwrap();
-        match store.apply(id, claim("after-restart")).await {
+        match store.apply_op(id, claim("after-restart")).await {
             Ok(Outcome::Claimed(Claim::Duplicate { record })) => {
                 assert_eq!(
                     record.fence, *fence,

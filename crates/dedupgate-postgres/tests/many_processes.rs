@@ -7,6 +7,7 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -90,10 +91,10 @@ fn child() {
                         .map(|k| (RecordId::new(ns.clone(), format!("k{k}")).unwrap(), claim()))
                         .collect();
                     let answers = if batched {
-                        store.apply_batch(ops).await
+                        store.apply_ops(ops).await
                     } else {
                         let (id, op) = ops.into_iter().next().unwrap();
-                        vec![store.apply(id, op).await]
+                        vec![store.apply_op(id, op).await]
                     };
                     for (k, a) in keys.iter().zip(answers) {
                         lines.push(match a {

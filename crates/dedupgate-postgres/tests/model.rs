@@ -5,6 +5,7 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use dedupgate_core::{
     Claim, GateError, Mark, MemoryStore, Op, Outcome, Record, RecordId, Store, Token,
 };
@@ -223,9 +224,9 @@ async fn postgres_answers_like_the_reference_model() {
                     .collect();
                 let answers = if n == 1 {
                     let (id, op) = ops.into_iter().next().unwrap();
-                    vec![store.apply(id, op).await]
+                    vec![store.apply_op(id, op).await]
                 } else {
-                    store.apply_batch(ops).await
+                    store.apply_ops(ops).await
                 };
                 got[s] = steps
                     .iter()

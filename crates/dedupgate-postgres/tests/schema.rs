@@ -2,6 +2,7 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use dedupgate_postgres::{PgError, PgStore, SCHEMA_VERSION};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,7 +153,7 @@ async fn refusals_by_the_server_are_refused_not_unavailable() {
 /// overloads included, and keeps its rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_functions_are_replaced_at_open_and_rows_are_kept() {
-    use dedupgate_core::{Mark, Op, Outcome, RecordId, Store};
+    use dedupgate_core::{Mark, Op, Outcome, RecordId};
 
     let url = common::url();
     let schema = common::fresh_schema("functions");
@@ -165,7 +166,7 @@ async fn stale_functions_are_replaced_at_open_and_rows_are_kept() {
             fingerprint: None,
             result: None,
         };
-        store.apply(id.clone(), mark.clone()).await.unwrap();
+        store.apply_op(id.clone(), mark.clone()).await.unwrap();
         store.close();
         let client = common::connect(&u).await;
         let recorded = recorded_md5(&client, &s).await;
@@ -183,11 +184,11 @@ async fn stale_functions_are_replaced_at_open_and_rows_are_kept() {
             .await
             .unwrap();
         let store = common::open(&u, &s, 1).await;
-        match store.apply(id.clone(), Op::Get).await {
+        match store.apply_op(id.clone(), Op::Get).await {
             Ok(Outcome::Found(Some(record))) => assert_eq!(record.key.as_str(), "kept"),
             other => panic!("get after the functions were replaced: {other:?}"),
         }
-        match store.apply(id, mark).await {
+        match store.apply_op(id, mark).await {
             Ok(Outcome::Marked(Mark::Duplicate { .. })) => {}
             other => panic!("the row was kept, so a mark is a duplicate: {other:?}"),
         }

@@ -17,8 +17,9 @@ mod common;
 
 use std::collections::HashMap;
 
+use dedupgate_core::testkit::ApplyOp;
 use dedupgate_core::{
-    decide, Change, Claim, Entry, EntryState, GateError, Op, Outcome, RecordId, Store, Token,
+    decide, Change, Claim, Entry, EntryState, GateError, Op, Outcome, RecordId, Token, ValidOp,
 };
 use dedupgate_postgres::PgStore;
 use serde_json::json;
@@ -89,7 +90,7 @@ impl Shapes {
     async fn step(&mut self, key: &str, op: Op) -> Result<Outcome, GateError> {
         let id = Self::id(key);
         let t0 = self.now_ms().await;
-        let answer = self.store.apply(id.clone(), op.clone()).await;
+        let answer = self.store.apply_op(id.clone(), op.clone()).await;
         let t1 = self.now_ms().await;
         self.check(&id, op, &answer, t0, t1).await;
         answer
@@ -99,7 +100,7 @@ impl Shapes {
     async fn batch(&mut self, ops: Vec<(String, Op)>) {
         let ops: Vec<(RecordId, Op)> = ops.into_iter().map(|(k, op)| (Self::id(&k), op)).collect();
         let t0 = self.now_ms().await;
-        let answers = self.store.apply_batch(ops.clone()).await;
+        let answers = self.store.apply_ops(ops.clone()).await;
         let t1 = self.now_ms().await;
         for ((id, op), answer) in ops.into_iter().zip(&answers) {
             self.check(&id, op, answer, t0, t1).await;
@@ -122,7 +123,8 @@ impl Shapes {
         let current = self.model.get(id).cloned();
         let mut last = None;
         for t in t0..=t1 {
-            let d = decide(id, op.clone(), current.as_ref(), t, || {
+            let valid = ValidOp::try_from(op.clone()).expect("the test's ops are valid");
+            let d = decide(id, valid, current.as_ref(), t, || {
                 fresh.clone().unwrap_or_else(Token::generate)
             });
             let next = match d.change {

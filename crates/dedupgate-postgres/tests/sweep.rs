@@ -2,6 +2,7 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::time::Duration;
 
 use dedupgate_core::{Claim, Op, Outcome, RecordId, Store};
@@ -24,11 +25,11 @@ async fn sweep_is_bounded_and_keeps_live_rows() {
         let id = |k: String| RecordId::new("sweep", k).unwrap();
         let short: Vec<_> = (0..25).map(|i| (id(format!("short-{i}")), mark(200))).collect();
         let long: Vec<_> = (0..5).map(|i| (id(format!("long-{i}")), mark(600_000))).collect();
-        assert!(store.apply_batch(short).await.iter().all(|r| r.is_ok()));
-        assert!(store.apply_batch(long).await.iter().all(|r| r.is_ok()));
+        assert!(store.apply_ops(short).await.iter().all(|r| r.is_ok()));
+        assert!(store.apply_ops(long).await.iter().all(|r| r.is_ok()));
         // A claim whose fence must survive the sweep of its expired predecessor's row.
         let Ok(Outcome::Claimed(Claim::New(first))) = store
-            .apply(
+            .apply_op(
                 id("fenced".into()),
                 Op::Claim {
                     ttl_ms: 200,
@@ -79,7 +80,7 @@ async fn sweep_is_bounded_and_keeps_live_rows() {
         );
         // After its row is gone, the clock term still gives the next claim a higher fence.
         let Ok(Outcome::Claimed(Claim::New(second))) = store
-            .apply(
+            .apply_op(
                 id("fenced".into()),
                 Op::Claim {
                     ttl_ms: 1_000,

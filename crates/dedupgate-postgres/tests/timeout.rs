@@ -4,9 +4,10 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::time::{Duration, Instant};
 
-use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, Store, StoreError};
+use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, StoreError};
 use dedupgate_postgres::PgStore;
 
 fn claim_op() -> Op {
@@ -33,13 +34,16 @@ async fn a_timed_out_batch_frees_its_connection() {
         let held = RecordId::new("timeout", "held").unwrap();
         let mut client = common::connect(&u).await;
         let tx = client.transaction().await.unwrap();
-        let claim = store.claim_in(&tx, held.clone(), claim_op()).await.unwrap();
+        let claim = store
+            .claim_in(&tx, held.clone(), claim_op().try_into().unwrap())
+            .await
+            .unwrap();
         assert!(matches!(claim, Claim::New(_)), "{claim:?}");
 
         // Waits for the row the open transaction holds, past the timeout.
         let other = RecordId::new("timeout", "other").unwrap();
         let ops = vec![(other.clone(), claim_op()), (held.clone(), claim_op())];
-        for answer in store.apply_batch(ops).await {
+        for answer in store.apply_ops(ops).await {
             assert!(
                 matches!(answer, Err(GateError::Store(StoreError::Unavailable(_)))),
                 "{answer:?}"
@@ -51,7 +55,7 @@ async fn a_timed_out_batch_frees_its_connection() {
         let started = Instant::now();
         let free = RecordId::new("timeout", "free").unwrap();
         let ops = vec![(free, claim_op()), (other, claim_op())];
-        for answer in store.apply_batch(ops).await {
+        for answer in store.apply_ops(ops).await {
             assert!(
                 matches!(answer, Ok(Outcome::Claimed(Claim::New(_)))),
                 "after a timeout: {answer:?}"

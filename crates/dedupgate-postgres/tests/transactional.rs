@@ -2,9 +2,10 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::time::Duration;
 
-use dedupgate_core::{Claim, Mark, Op, Outcome, RecordId, State, Store};
+use dedupgate_core::{Claim, Mark, Op, Outcome, RecordId, State};
 use dedupgate_postgres::PgStore;
 use serde_json::json;
 
@@ -18,7 +19,7 @@ fn claim_op() -> Op {
 }
 
 async fn get(store: &PgStore, id: &RecordId) -> Option<dedupgate_core::Record> {
-    match store.apply(id.clone(), Op::Get).await {
+    match store.apply_op(id.clone(), Op::Get).await {
         Ok(Outcome::Found(r)) => r,
         other => panic!("get: {other:?}"),
     }
@@ -54,7 +55,10 @@ async fn rollback_leaves_nothing_and_commit_leaves_both() {
 
         // Rolled back: neither the order nor the claim exists afterwards.
         let tx = client.transaction().await.unwrap();
-        let claim = store.claim_in(&tx, id.clone(), claim_op()).await.unwrap();
+        let claim = store
+            .claim_in(&tx, id.clone(), valid(claim_op()))
+            .await
+            .unwrap();
         assert!(matches!(claim, Claim::New(_)), "{claim:?}");
         tx.execute(&format!("INSERT INTO {table} VALUES ('o1', 100)"), &[])
             .await
@@ -69,7 +73,11 @@ async fn rollback_leaves_nothing_and_commit_leaves_both() {
 
         // Committed: the order and the completed record both exist; a redelivery is a duplicate.
         let tx = client.transaction().await.unwrap();
-        let Claim::New(lease) = store.claim_in(&tx, id.clone(), claim_op()).await.unwrap() else {
+        let Claim::New(lease) = store
+            .claim_in(&tx, id.clone(), valid(claim_op()))
+            .await
+            .unwrap()
+        else {
             panic!("the key is free again after the rollback")
         };
         tx.execute(&format!("INSERT INTO {table} VALUES ('o1', 100)"), &[])
@@ -79,11 +87,11 @@ async fn rollback_leaves_nothing_and_commit_leaves_both() {
             .apply_in(
                 &tx,
                 id.clone(),
-                Op::Complete {
+                valid(Op::Complete {
                     token: lease.token.clone(),
                     result: Some(json!({"order": "o1", "amount": 100})),
                     ttl_ms: None,
-                },
+                }),
             )
             .await
             .unwrap();
@@ -94,7 +102,7 @@ async fn rollback_leaves_nothing_and_commit_leaves_both() {
         assert_eq!(rec.state, State::Completed);
         assert_eq!(rec.result, Some(json!({"order": "o1", "amount": 100})));
         assert!(matches!(
-            store.apply(id.clone(), claim_op()).await,
+            store.apply_op(id.clone(), claim_op()).await,
             Ok(Outcome::Claimed(Claim::Duplicate { .. }))
         ));
 
@@ -123,12 +131,15 @@ async fn a_claim_waits_for_an_open_transaction_then_sees_its_outcome() {
         for commit in [true, false] {
             let id = RecordId::new("ns", format!("k-{commit}")).unwrap();
             let tx = client.transaction().await.unwrap();
-            let first = store.claim_in(&tx, id.clone(), claim_op()).await.unwrap();
+            let first = store
+                .claim_in(&tx, id.clone(), valid(claim_op()))
+                .await
+                .unwrap();
             assert!(matches!(first, Claim::New(_)));
             // Another gate claims the same key while the transaction is open.
             let other = {
                 let (store, id) = (store.clone(), id.clone());
-                tokio::spawn(async move { store.apply(id, claim_op()).await })
+                tokio::spawn(async move { store.apply_op(id, claim_op()).await })
             };
             tokio::time::sleep(Duration::from_millis(300)).await;
             if commit {
@@ -151,4 +162,9 @@ async fn a_claim_waits_for_an_open_transaction_then_sees_its_outcome() {
         }
     })
     .await;
+}
+
+/// The test's op as the core builds it (the transactional API takes only a validated op).
+fn valid(op: Op) -> dedupgate_core::ValidOp {
+    op.try_into().expect("the test's ops are valid")
 }

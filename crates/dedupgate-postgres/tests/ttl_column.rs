@@ -4,9 +4,10 @@
 
 mod common;
 
+use dedupgate_core::testkit::ApplyOp;
 use std::time::Duration;
 
-use dedupgate_core::{Claim, Mark, Op, Outcome, RecordId, Store};
+use dedupgate_core::{Claim, Mark, Op, Outcome, RecordId};
 
 fn claim(ttl_ms: u64, lease_ms: u64) -> Op {
     Op::Claim {
@@ -40,7 +41,7 @@ async fn release_and_forget_tombstones_keep_no_ttl() {
         for (key, release) in [("released", true), ("forgotten", false)] {
             let id = RecordId::new("tombttl", key).unwrap();
             let Ok(Outcome::Claimed(Claim::New(lease))) =
-                store.apply(id.clone(), claim(60_000, 30_000)).await
+                store.apply_op(id.clone(), claim(60_000, 30_000)).await
             else {
                 panic!("{key}: claim not new")
             };
@@ -50,7 +51,7 @@ async fn release_and_forget_tombstones_keep_no_ttl() {
             } else {
                 Op::Forget
             };
-            assert!(store.apply(id, op).await.is_ok(), "{key}");
+            assert!(store.apply_op(id, op).await.is_ok(), "{key}");
             assert_eq!(
                 row(&client, &s, key).await,
                 (2, None),
@@ -74,7 +75,7 @@ async fn a_mark_taking_over_a_claim_keeps_no_ttl() {
         let id = |k: &str| RecordId::new("markttl", k).unwrap();
         let keys = ["single", "batch-a", "batch-b"];
         for key in keys {
-            let r = store.apply(id(key), claim(60_000, 100)).await;
+            let r = store.apply_op(id(key), claim(60_000, 100)).await;
             assert!(
                 matches!(r, Ok(Outcome::Claimed(Claim::New(_)))),
                 "{key}: {r:?}"
@@ -87,9 +88,9 @@ async fn a_mark_taking_over_a_claim_keeps_no_ttl() {
             fingerprint: None,
             result: None,
         };
-        let single = store.apply(id("single"), mark()).await;
+        let single = store.apply_op(id("single"), mark()).await;
         let batch = store
-            .apply_batch(vec![(id("batch-a"), mark()), (id("batch-b"), mark())])
+            .apply_ops(vec![(id("batch-a"), mark()), (id("batch-b"), mark())])
             .await;
         for (key, r) in keys.into_iter().zip([single].into_iter().chain(batch)) {
             assert!(

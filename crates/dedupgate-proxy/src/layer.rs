@@ -15,7 +15,10 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dedupgate_core::{Claim, GateError, Op, Outcome, RecordId, State, Store, Token};
+use dedupgate_core::{
+    Claim, ClaimOptions, CompleteOptions, Defaults, GateError, InvalidInput, Outcome, RecordId,
+    State, Store, Token, ValidOp,
+};
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body::Body;
@@ -374,14 +377,16 @@ where
         .map(|w| tokio::time::Instant::now() + Duration::from_millis(w));
     let mut pause_ms = 10;
     loop {
-        let op = Op::Claim {
+        let defaults = Defaults {
             ttl_ms: config.ttl_ms,
             lease_ms: config.lease_ms,
+        };
+        let opts = ClaimOptions {
             fingerprint: Some(fp.clone()),
-            owner: None,
+            ..Default::default()
         };
         let claim_started = Instant::now();
-        let record = match shared.store.apply(id.clone(), op).await {
+        let record = match apply(&shared, &id, ValidOp::claim(opts, defaults)).await {
             Ok(Outcome::Claimed(Claim::New(lease))) => {
                 let claimed = claim_started.elapsed();
                 return execute(&shared, inner, errors, &id, lease.token, req, claimed).await;
@@ -619,12 +624,9 @@ async fn with_lease<T>(
     let keep_alive = async {
         loop {
             tokio::time::sleep(period).await;
-            let op = Op::Extend {
-                token: token.clone(),
-                lease_ms,
-            };
+            let op = ValidOp::extend(token.clone(), lease_ms);
             // Not fatal here: a lost lease shows when the response is stored.
-            if let Err(e) = shared.store.apply(id.clone(), op).await {
+            if let Err(e) = apply(shared, id, op).await {
                 tracing::warn!(error = %e, "could not renew the lease of an in-flight request");
             }
         }
@@ -636,8 +638,18 @@ async fn with_lease<T>(
     }
 }
 
+/// `op` applied to `id` once the core has built it (the configured durations and the
+/// fingerprint, a SHA-256, always pass; a refusal is still reported, never assumed away).
+async fn apply(
+    shared: &Shared,
+    id: &RecordId,
+    op: Result<ValidOp, InvalidInput>,
+) -> Result<Outcome, GateError> {
+    shared.store.apply(id.clone(), op?).await
+}
+
 async fn release(shared: &Shared, id: &RecordId, token: Token) {
-    if let Err(e) = shared.store.apply(id.clone(), Op::Release { token }).await {
+    if let Err(e) = apply(shared, id, ValidOp::release(token)).await {
         // The lease runs out instead; a retry then runs again.
         tracing::warn!(error = %e, "could not release a failed request's claim");
     }
@@ -658,12 +670,11 @@ async fn complete(
     let mut attempt = 0u32;
     loop {
         attempt += 1;
-        let op = Op::Complete {
-            token: token.clone(),
+        let opts = CompleteOptions {
             result: Some(result.clone()),
             ttl_ms: Some(shared.config.ttl_ms),
         };
-        match shared.store.apply(id.clone(), op).await {
+        match apply(shared, id, ValidOp::complete(token.clone(), opts)).await {
             Ok(_) => return Ok(()),
             Err(GateError::Store(e)) if Instant::now() < deadline => {
                 tracing::warn!(error = %e, attempt, "could not store a response; retrying");

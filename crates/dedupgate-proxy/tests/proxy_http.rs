@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{eventually, raw, start, start_with, Reply};
-use dedupgate_core::{Op, Outcome, RecordId, Store};
+use dedupgate_core::{Outcome, RecordId, Store, ValidOp};
 use dedupgate_proxy::key::{caller_scope, record_key};
 use dedupgate_proxy::{ConfigFile, IdempotencyConfig, Sealer};
 use http::{Method, StatusCode};
@@ -395,7 +395,7 @@ async fn stored_responses_are_encrypted_at_rest_and_cookies_never_stored() {
     );
     let got = h
         .store
-        .apply(RecordId::new(ns, key).unwrap(), Op::Get)
+        .apply(RecordId::new(ns, key).unwrap(), ValidOp::get())
         .await
         .unwrap();
     let Outcome::Found(Some(record)) = got else {
@@ -701,7 +701,7 @@ async fn shutdown_lets_requests_whose_caller_hung_up_finish_and_store() {
     let store = h.shutdown().await;
     let key = record_key(&caller_scope(None), &Method::POST, "/slow", "k-drain");
     let got = store
-        .apply(RecordId::new(ns, key).unwrap(), Op::Get)
+        .apply(RecordId::new(ns, key).unwrap(), ValidOp::get())
         .await
         .unwrap();
     let Outcome::Found(Some(record)) = got else {

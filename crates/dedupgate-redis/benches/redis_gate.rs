@@ -10,6 +10,7 @@
 //! gate has grown the server's memory, and inserts as many fresh keys: the same work for Redis
 //! in every row.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -101,9 +102,9 @@ async fn gate(store: Arc<dyn Store>, ops: usize, batch: usize, label: &str) -> R
                     let t = Instant::now();
                     let out = if batch == 1 {
                         let (id, op) = items.into_iter().next().expect("one op");
-                        vec![store.apply(id, op).await]
+                        vec![store.apply_op(id, op).await]
                     } else {
-                        store.apply_batch(items).await
+                        store.apply_ops(items).await
                     };
                     lat.push(t.elapsed());
                     for r in out {

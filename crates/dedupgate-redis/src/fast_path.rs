@@ -63,7 +63,7 @@ impl Inner {
         let fresh_candidate: Vec<bool> = prepared
             .iter()
             .map(|p| {
-                matches!(p.op, Op::Claim { .. } | Op::Mark { .. })
+                matches!(*p.op, Op::Claim { .. } | Op::Mark { .. })
                     && per_record[&p.keys.record[..]] == 1
             })
             .collect();

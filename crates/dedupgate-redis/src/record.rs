@@ -28,7 +28,7 @@ pub struct UnreadableRecord(&'static str);
 /// mark's entry keeps the call's token as the script's nonce, so a resent call knows its own.
 /// `None` for other ops, and for a claim without its call token.
 pub(crate) fn decide_absent(p: &Prepared, now_ms: u64) -> Option<(Entry, Outcome)> {
-    let is_mark = match p.op {
+    let is_mark = match *p.op {
         Op::Claim { .. } if p.token.is_some() => false,
         Op::Mark { .. } => true,
         _ => return None,

@@ -51,7 +51,7 @@ pub(crate) fn text(v: &Value) -> Option<String> {
 /// Turns one op's script reply into its outcome. `now` is the call's time on Redis's clock (the
 /// reply's first item), from which the short answers for a key that did not exist are rebuilt.
 pub(crate) fn decode(p: &Prepared, now: Option<u64>, v: Value) -> Result<Outcome, GateError> {
-    let (id, op) = (&p.id, &p.op);
+    let (id, op) = (&p.id, p.op.as_op());
     let corrupt =
         |what: &str| GateError::Store(StoreError::Corrupt(format!("script reply: {what}")));
     let items = match v {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use dedupgate_core::{
-    CoalesceLimits, Coalescer, GateError, Op, Outcome, RecordId, Store, StoreError, Token,
+    CoalesceLimits, Coalescer, GateError, Outcome, RecordId, Store, StoreError, Token, ValidOp,
 };
 use futures::stream::{self, StreamExt};
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
@@ -72,7 +72,7 @@ pub(crate) struct Prepared {
     pub(crate) index: usize,
     pub(crate) id: RecordId,
     pub(crate) keys: RecordKeys,
-    pub(crate) op: Op,
+    pub(crate) op: ValidOp,
     /// See [`call_token`].
     pub(crate) token: Option<Token>,
 }
@@ -134,27 +134,22 @@ impl RedisStore {
 impl Inner {
     async fn decide_batch(
         &self,
-        ops: Vec<(RecordId, Op)>,
+        ops: Vec<(RecordId, ValidOp)>,
         path: BatchPath,
     ) -> Vec<Result<Outcome, GateError>> {
         let mut answers: Vec<Option<Result<Outcome, GateError>>> = Vec::with_capacity(ops.len());
         let mut prepared = Vec::with_capacity(ops.len());
         for (index, (id, op)) in ops.into_iter().enumerate() {
-            match op.validate() {
-                Err(e) => answers.push(Some(Err(GateError::Invalid(e)))),
-                Ok(()) => {
-                    answers.push(None);
-                    let keys = record_keys(&self.opts.key_prefix, &id);
-                    let token = call_token(&op);
-                    prepared.push(Prepared {
-                        index,
-                        id,
-                        keys,
-                        op,
-                        token,
-                    });
-                }
-            }
+            answers.push(None);
+            let keys = record_keys(&self.opts.key_prefix, &id);
+            let token = call_token(&op);
+            prepared.push(Prepared {
+                index,
+                id,
+                keys,
+                op,
+                token,
+            });
         }
         let decided = if path == BatchPath::FreshKeysNative && self.fast_path_allowed() {
             self.decide_fast(prepared).await
@@ -203,10 +198,7 @@ impl Inner {
 
 #[async_trait]
 impl Store for RedisStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
-        if let Err(e) = op.validate() {
-            return Err(GateError::Invalid(e));
-        }
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         if let Some(coalescer) = &self.coalescer {
             return coalescer.apply(id, op).await;
         }
@@ -221,7 +213,7 @@ impl Store for RedisStore {
             })
     }
 
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         self.inner
             .decide_batch(ops, BatchPath::FreshKeysNative)
             .await
@@ -267,10 +259,11 @@ impl Store for RedisStore {
 mod tests {
     use super::*;
     use crate::testkit::{shared_redis_url, RedisCluster};
-    use dedupgate_core::{Claim, Mark, Record};
+    use dedupgate_core::{Claim, Mark, Op, Record};
 
     fn prepared(index: usize, ns: &str, key: &str, op: Op) -> Prepared {
         let id = RecordId::new(ns, key).expect("a valid id");
+        let op = ValidOp::try_from(op).expect("a valid op");
         Prepared {
             index,
             keys: record_keys("dg", &id),

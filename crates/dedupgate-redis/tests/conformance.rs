@@ -1,5 +1,6 @@
 //! The conformance suite on the shared local Redis and on a real three-master cluster.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,7 +68,7 @@ async fn conformance_and_every_slot_on_a_real_cluster() {
     for round in 0..2 {
         for chunk in ids.chunks(4_096) {
             let out = store
-                .apply_batch(chunk.iter().map(|id| (id.clone(), claim())).collect())
+                .apply_ops(chunk.iter().map(|id| (id.clone(), claim())).collect())
                 .await;
             for (id, r) in chunk.iter().zip(out) {
                 let ok = match (round, &r) {

@@ -1,6 +1,7 @@
 //! Failure behaviour against servers these tests own: a killed and restarted server, script cache
 //! loss, `WAIT` without enough replicas, and servers that could evict records.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -50,7 +51,7 @@ async fn kill_mid_load_answers_unavailable_then_recovers_with_every_ack_kept() {
                     let key = format!("w{w}-{i}");
                     i += 1;
                     let was_down = down.load(Ordering::Acquire);
-                    let r = store.apply(id(&key), claim()).await;
+                    let r = store.apply_op(id(&key), claim()).await;
                     let still_down = down.load(Ordering::Acquire);
                     match r {
                         Ok(Outcome::Claimed(Claim::New(lease))) => {
@@ -74,7 +75,7 @@ async fn kill_mid_load_answers_unavailable_then_recovers_with_every_ack_kept() {
     down.store(true, Ordering::Release);
     // While the server is down, every answer is unavailable (checked by the workers).
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let r = store.apply(id("probe"), claim()).await;
+    let r = store.apply_op(id("probe"), claim()).await;
     assert!(
         matches!(r, Err(GateError::Store(StoreError::Unavailable(_)))),
         "while down: {r:?}"
@@ -117,7 +118,7 @@ async fn kill_mid_load_answers_unavailable_then_recovers_with_every_ack_kept() {
     let keys: Vec<&String> = fences.keys().collect();
     for chunk in keys.chunks(1_000) {
         let out = store
-            .apply_batch(chunk.iter().map(|k| (id(k), claim())).collect())
+            .apply_ops(chunk.iter().map(|k| (id(k), claim())).collect())
             .await;
         for (k, r) in chunk.iter().zip(out) {
             match r {
@@ -136,12 +137,12 @@ async fn lost_script_cache_is_reloaded() {
     let server = start(&[]).await;
     let store = RedisStore::open(&server.url()).await.unwrap();
     assert!(matches!(
-        store.apply(id("a"), claim()).await,
+        store.apply_op(id("a"), claim()).await,
         Ok(Outcome::Claimed(Claim::New(_)))
     ));
     server.cli(&["SCRIPT", "FLUSH"]).unwrap();
     let out = store
-        .apply_batch(vec![
+        .apply_ops(vec![
             (id("a"), claim()),
             (id("b"), claim()),
             (id("b"), claim()),
@@ -169,14 +170,14 @@ async fn wait_for_replicas_answers_unavailable_until_a_replica_acks() {
     let primary = start(&[]).await;
     let url = format!("{}?wait_replicas=1&wait_timeout_ms=100", primary.url());
     let store = RedisStore::open(&url).await.unwrap();
-    let r = store.apply(id("w1"), claim()).await;
+    let r = store.apply_op(id("w1"), claim()).await;
     assert!(
         matches!(&r, Err(GateError::Store(StoreError::Unavailable(m))) if m.contains("replicas")),
         "no replica: {r:?}"
     );
     // A read is not a write: it is not held to WAIT.
     assert!(matches!(
-        store.apply(id("w1"), Op::Get).await,
+        store.apply_op(id("w1"), Op::Get).await,
         Ok(Outcome::Found(_))
     ));
 
@@ -189,7 +190,7 @@ async fn wait_for_replicas_answers_unavailable_until_a_replica_acks() {
     // than 100 ms to acknowledge, and this half checks that an attached replica suffices.
     let url = format!("{}?wait_replicas=1&wait_timeout_ms=10000", primary.url());
     let store = RedisStore::open(&url).await.unwrap();
-    let r = store.apply(id("w2"), claim()).await;
+    let r = store.apply_op(id("w2"), claim()).await;
     assert!(
         matches!(r, Ok(Outcome::Claimed(Claim::New(_)))),
         "with a replica: {r:?}"
@@ -294,7 +295,7 @@ async fn cluster_master_killed_and_restarted() {
 
     let ids: Vec<RecordId> = (0..600).map(|i| id(&format!("c{i}"))).collect();
     let out = store
-        .apply_batch(ids.iter().map(|i| (i.clone(), claim())).collect())
+        .apply_ops(ids.iter().map(|i| (i.clone(), claim())).collect())
         .await;
     let mut fences = HashMap::new();
     for (i, r) in ids.iter().zip(out) {
@@ -310,7 +311,7 @@ async fn cluster_master_killed_and_restarted() {
     let mut both: Vec<RecordId> = ids.clone();
     both.extend(fresh.iter().cloned());
     let out = store
-        .apply_batch(both.iter().map(|i| (i.clone(), claim())).collect())
+        .apply_ops(both.iter().map(|i| (i.clone(), claim())).collect())
         .await;
     let mut unavailable = 0;
     // Keys answered unavailable: whether the claim took effect is unknown (a live node may have
@@ -345,7 +346,7 @@ async fn cluster_master_killed_and_restarted() {
     let started = Instant::now();
     loop {
         let out = store
-            .apply_batch(both.iter().map(|i| (i.clone(), claim())).collect())
+            .apply_ops(both.iter().map(|i| (i.clone(), claim())).collect())
             .await;
         if out.iter().any(|r| matches!(r, Err(GateError::Store(_)))) {
             assert!(

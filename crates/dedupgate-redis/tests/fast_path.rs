@@ -4,6 +4,7 @@
 //! the servers ran (so a test fails if the path it means to exercise was not taken), and checks
 //! that the records the fast path writes are the ones the script writes and reads.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -139,7 +140,7 @@ fn duplicate(r: &Result<Outcome, GateError>) -> Record {
 }
 
 async fn get(store: &Arc<dyn Store>, id: &RecordId) -> Option<Record> {
-    match store.apply(id.clone(), Op::Get).await {
+    match store.apply_op(id.clone(), Op::Get).await {
         Ok(Outcome::Found(r)) => r,
         other => panic!("get: {other:?}"),
     }
@@ -269,7 +270,7 @@ async fn fresh_then_duplicates(t: &Target) {
     let ns = "fp.fresh";
     let ops = fresh_ops(ns);
     t.reset_stats();
-    let first = t.store.apply_batch(ops.clone()).await;
+    let first = t.store.apply_ops(ops.clone()).await;
     assert_eq!(t.calls("evalsha"), 0, "fresh keys must not run the script");
     assert_eq!(t.calls("set"), FRESH as u64);
     for ((k, op), r) in ops.iter().zip(&first) {
@@ -279,7 +280,7 @@ async fn fresh_then_duplicates(t: &Target) {
     check_bytes(t, &ids).await;
 
     t.reset_stats();
-    let again = t.store.apply_batch(ops.clone()).await;
+    let again = t.store.apply_ops(ops.clone()).await;
     assert!(
         t.calls("evalsha") > 0,
         "existing keys go through the script"
@@ -315,10 +316,16 @@ async fn mixed(t: &Target) {
     let ns = "fp.mixed";
     let s = &t.store;
     let k = |name: &str| id(ns, name);
-    let held = new_lease(&s.apply(k("held"), claim(60_000, 60_000, None, None)).await);
-    let stale = new_lease(&s.apply(k("stale"), claim(60_000, 100, None, None)).await);
-    let done = new_lease(&s.apply(k("done"), claim(60_000, 60_000, None, None)).await);
-    s.apply(
+    let held = new_lease(
+        &s.apply_op(k("held"), claim(60_000, 60_000, None, None))
+            .await,
+    );
+    let stale = new_lease(&s.apply_op(k("stale"), claim(60_000, 100, None, None)).await);
+    let done = new_lease(
+        &s.apply_op(k("done"), claim(60_000, 60_000, None, None))
+            .await,
+    );
+    s.apply_op(
         k("done"),
         Op::Complete {
             token: done.token.clone(),
@@ -328,12 +335,12 @@ async fn mixed(t: &Target) {
     )
     .await
     .unwrap();
-    let expired = new_lease(&s.apply(k("expired"), claim(100, 100, None, None)).await);
+    let expired = new_lease(&s.apply_op(k("expired"), claim(100, 100, None, None)).await);
     let released = new_lease(
-        &s.apply(k("released"), claim(60_000, 60_000, None, None))
+        &s.apply_op(k("released"), claim(60_000, 60_000, None, None))
             .await,
     );
-    s.apply(
+    s.apply_op(
         k("released"),
         Op::Release {
             token: released.token.clone(),
@@ -341,15 +348,15 @@ async fn mixed(t: &Target) {
     )
     .await
     .unwrap();
-    s.apply(k("fp"), claim(60_000, 60_000, Some("A"), None))
+    s.apply_op(k("fp"), claim(60_000, 60_000, Some("A"), None))
         .await
         .unwrap();
     let owned = new_lease(
-        &s.apply(k("owned"), claim(60_000, 1_000, None, Some("w1")))
+        &s.apply_op(k("owned"), claim(60_000, 1_000, None, Some("w1")))
             .await,
     );
     let marked = match s
-        .apply(k("marked"), mark(60_000, None, Some(json!("r"))))
+        .apply_op(k("marked"), mark(60_000, None, Some(json!("r"))))
         .await
     {
         Ok(Outcome::Marked(Mark::New { record })) => record,
@@ -378,7 +385,7 @@ async fn mixed(t: &Target) {
     }
     // "held" appears twice: both of its ops go through the script, in order.
     t.reset_stats();
-    let out = s.apply_batch(ops.clone()).await;
+    let out = s.apply_ops(ops.clone()).await;
     assert!(t.calls("evalsha") > 0);
     let by_key = |name: &str| -> Vec<&Result<Outcome, GateError>> {
         ops.iter()
@@ -432,7 +439,7 @@ async fn repeated_keys(t: &Target) {
     ops.insert(5, (k("y"), mark(60_000, Some("A"), Some(json!(1)))));
     ops.insert(6, (k("y"), mark(60_000, Some("B"), Some(json!(2)))));
     ops.insert(7, (k("y"), mark(60_000, Some("A"), Some(json!(3)))));
-    let out = t.store.apply_batch(ops.clone()).await;
+    let out = t.store.apply_ops(ops.clone()).await;
     let answers = |name: &str| -> Vec<&Result<Outcome, GateError>> {
         ops.iter()
             .zip(&out)
@@ -475,7 +482,7 @@ async fn fingerprint_mismatch(t: &Target) {
         })
         .collect();
     t.reset_stats();
-    let first = t.store.apply_batch(ops.clone()).await;
+    let first = t.store.apply_ops(ops.clone()).await;
     assert_eq!(t.calls("evalsha"), 0);
     let before: Vec<Option<Record>> = {
         let mut v = Vec::new();
@@ -495,7 +502,7 @@ async fn fingerprint_mismatch(t: &Target) {
             (k.clone(), op)
         })
         .collect();
-    for r in t.store.apply_batch(other.clone()).await {
+    for r in t.store.apply_ops(other.clone()).await {
         assert!(matches!(r, Err(GateError::FingerprintMismatch)), "{r:?}");
     }
     for ((k, _), b) in other.iter().zip(before) {
@@ -513,11 +520,11 @@ async fn marks_replayed(t: &Target) {
         })
         .collect();
     t.reset_stats();
-    let first = t.store.apply_batch(ops.clone()).await;
+    let first = t.store.apply_ops(ops.clone()).await;
     assert_eq!(t.calls("evalsha"), 0);
     let ids: Vec<RecordId> = ops.iter().map(|(k, _)| k.clone()).collect();
     check_bytes(t, &ids).await;
-    let replayed = t.store.apply_batch(ops.clone()).await;
+    let replayed = t.store.apply_ops(ops.clone()).await;
     for (((k, op), r1), r2) in ops.iter().zip(&first).zip(&replayed) {
         check_new(&t.store, k, op, r1).await;
         let Ok(Outcome::Marked(Mark::New { record })) = r1 else {
@@ -545,7 +552,7 @@ async fn script_acts_on_fast_records(t: &Target) {
     t.reset_stats();
     let leases: Vec<Lease> = t
         .store
-        .apply_batch(ops.clone())
+        .apply_ops(ops.clone())
         .await
         .iter()
         .map(new_lease)
@@ -560,7 +567,7 @@ async fn script_acts_on_fast_records(t: &Target) {
         match i % 5 {
             0 => {
                 let done = s
-                    .apply(
+                    .apply_op(
                         k.clone(),
                         Op::Complete {
                             token: lease.token.clone(),
@@ -584,7 +591,7 @@ async fn script_acts_on_fast_records(t: &Target) {
             }
             1 => {
                 let r = s
-                    .apply(
+                    .apply_op(
                         k.clone(),
                         Op::Release {
                             token: lease.token.clone(),
@@ -592,12 +599,15 @@ async fn script_acts_on_fast_records(t: &Target) {
                     )
                     .await;
                 assert!(matches!(r, Ok(Outcome::Released)), "{r:?}");
-                let next = new_lease(&s.apply(k.clone(), claim(60_000, 30_000, None, None)).await);
+                let next = new_lease(
+                    &s.apply_op(k.clone(), claim(60_000, 30_000, None, None))
+                        .await,
+                );
                 assert!(next.fence > lease.fence);
             }
             2 => {
                 let r = s
-                    .apply(
+                    .apply_op(
                         k.clone(),
                         Op::Extend {
                             token: lease.token.clone(),
@@ -619,7 +629,7 @@ async fn script_acts_on_fast_records(t: &Target) {
             3 => {
                 let owner = before.owner.clone();
                 let again = new_lease(
-                    &s.apply(
+                    &s.apply_op(
                         k.clone(),
                         claim(
                             60_000,
@@ -638,7 +648,7 @@ async fn script_acts_on_fast_records(t: &Target) {
             _ => {
                 // The 200 ms lease has passed: another worker takes over, the old token is out.
                 let taken = new_lease(
-                    &s.apply(
+                    &s.apply_op(
                         k.clone(),
                         claim(60_000, 30_000, before.fingerprint.as_deref(), Some("other")),
                     )
@@ -646,7 +656,7 @@ async fn script_acts_on_fast_records(t: &Target) {
                 );
                 assert!(taken.fence > lease.fence && taken.token != lease.token);
                 let stale = s
-                    .apply(
+                    .apply_op(
                         k.clone(),
                         Op::Complete {
                             token: lease.token.clone(),
@@ -661,7 +671,7 @@ async fn script_acts_on_fast_records(t: &Target) {
     }
     // A token the fast path issued is refused for another key.
     let wrong = s
-        .apply(
+        .apply_op(
             ids[1].clone(),
             Op::Complete {
                 token: leases[0].token.clone(),
@@ -680,7 +690,7 @@ async fn small_batches_use_the_script(t: &Target) {
         .map(|i| (id(ns, format!("k{i}")), claim(60_000, 30_000, None, None)))
         .collect();
     t.reset_stats();
-    for r in t.store.apply_batch(ops).await {
+    for r in t.store.apply_ops(ops).await {
         new_lease(&r);
     }
     let scripts = t.calls("evalsha");
@@ -733,11 +743,11 @@ async fn short_fence_keep_turns_the_fast_path_off() {
     // One op first, so the script is loaded before the count starts.
     new_lease(
         &store
-            .apply(id("fp.keep", "first"), claim(60_000, 30_000, None, None))
+            .apply_op(id("fp.keep", "first"), claim(60_000, 30_000, None, None))
             .await,
     );
     cli(server.port(), &["CONFIG", "RESETSTAT"]).unwrap();
-    for r in store.apply_batch(ops).await {
+    for r in store.apply_ops(ops).await {
         new_lease(&r);
     }
     let stats = cli(server.port(), &["INFO", "commandstats"]).unwrap();
@@ -765,7 +775,7 @@ async fn fast_path_waits_for_replicas() {
     let url = format!("{}?wait_replicas=1&wait_timeout_ms=100", primary.url());
     let store = RedisStore::open(&url).await.unwrap();
     cli(primary.port(), &["CONFIG", "RESETSTAT"]).unwrap();
-    for r in store.apply_batch(fresh_claims("fp.wait1")).await {
+    for r in store.apply_ops(fresh_claims("fp.wait1")).await {
         assert!(unavailable_because(&r, "replicas"), "no replica: {r:?}");
     }
     let stats = cli(primary.port(), &["INFO", "commandstats"]).unwrap();
@@ -783,7 +793,7 @@ async fn fast_path_waits_for_replicas() {
     let url = format!("{}?wait_replicas=1&wait_timeout_ms=10000", primary.url());
     let store = RedisStore::open(&url).await.unwrap();
     let ops = fresh_claims("fp.wait2");
-    for r in store.apply_batch(ops.clone()).await {
+    for r in store.apply_ops(ops.clone()).await {
         new_lease(&r);
     }
     let mut conn = redis::Client::open(replica.url().as_str())
@@ -811,7 +821,7 @@ async fn refused_or_lost_writes_are_unavailable() {
         .expect("start redis-server");
     let store = RedisStore::open(&server.url()).await.unwrap();
     server.cli(&["CONFIG", "SET", "maxmemory", "1"]).unwrap();
-    for r in store.apply_batch(fresh_claims("fp.oom")).await {
+    for r in store.apply_ops(fresh_claims("fp.oom")).await {
         assert!(unavailable_because(&r, "OOM"), "{r:?}");
     }
     server.cli(&["CONFIG", "SET", "maxmemory", "0"]).unwrap();
@@ -819,7 +829,7 @@ async fn refused_or_lost_writes_are_unavailable() {
     tokio::task::spawn_blocking(move || server.kill())
         .await
         .unwrap();
-    for r in store.apply_batch(fresh_claims("fp.gone")).await {
+    for r in store.apply_ops(fresh_claims("fp.gone")).await {
         assert!(unavailable_because(&r, ""), "{r:?}");
     }
 }

@@ -1,7 +1,8 @@
 //! A record's key outlives the record by `fence_keep_ms`, and a claim after expiry takes its
 //! fence from that expired record: fences keep increasing even if Redis's clock stepped back.
 
-use dedupgate_core::{Claim, Op, Outcome, RecordId, Store};
+use dedupgate_core::testkit::ApplyOp;
+use dedupgate_core::{Claim, Op, Outcome, RecordId};
 use dedupgate_redis::keys::record_keys;
 use dedupgate_redis::testkit::shared_redis_url;
 use dedupgate_redis::RedisStore;
@@ -30,7 +31,8 @@ async fn expired_record_keeps_its_fence_for_fence_keep_ms() {
         .await
         .unwrap();
 
-    let Ok(Outcome::Claimed(Claim::New(first))) = store.apply(id.clone(), claim(100)).await else {
+    let Ok(Outcome::Claimed(Claim::New(first))) = store.apply_op(id.clone(), claim(100)).await
+    else {
         panic!("first claim not new");
     };
     // The key lives fence_keep_ms past the record's expiry, on Redis's clock.
@@ -60,7 +62,7 @@ async fn expired_record_keeps_its_fence_for_fence_keep_ms() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    let Ok(Outcome::Claimed(Claim::New(second))) = store.apply(id.clone(), claim(60_000)).await
+    let Ok(Outcome::Claimed(Claim::New(second))) = store.apply_op(id.clone(), claim(60_000)).await
     else {
         panic!("claim after expiry not new");
     };

@@ -4,6 +4,7 @@
 //!
 //! `harness = false`: `main` is the parent unless `DG_MP_CHILD` is set.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 use std::io::Write;
 use std::process::Command;
@@ -116,7 +117,7 @@ fn run_child(child: usize) {
                             fingerprint: None,
                             owner: None,
                         };
-                        let outcome = match store.apply(id.clone(), op).await {
+                        let outcome = match store.apply_op(id.clone(), op).await {
                             Ok(Outcome::Claimed(Claim::New(lease))) => {
                                 // Half the winners complete, so duplicates see both states.
                                 if k % 2 == 0 {
@@ -125,7 +126,7 @@ fn run_child(child: usize) {
                                         result: None,
                                         ttl_ms: None,
                                     };
-                                    store.apply(id, done).await.expect("complete own claim");
+                                    store.apply_op(id, done).await.expect("complete own claim");
                                 }
                                 "new"
                             }

@@ -3,11 +3,10 @@
 //! clocks never disagree about expiry (the conformance suite covers time); fences and times are
 //! compared by what they mean (same claim or a new one), not by value.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 
-use dedupgate_core::{
-    Claim, GateError, Mark, MemoryStore, Op, Outcome, Record, RecordId, Store, Token,
-};
+use dedupgate_core::{Claim, GateError, Mark, MemoryStore, Op, Outcome, Record, RecordId, Token};
 use dedupgate_redis::testkit::{shared_redis_url, RedisServer};
 use dedupgate_redis::RedisStore;
 use rand::rngs::StdRng;
@@ -184,14 +183,11 @@ async fn compare(
             let (id_r, op_r) = ops_r.into_iter().next().unwrap();
             let (id_m, op_m) = ops_m.into_iter().next().unwrap();
             (
-                vec![redis.apply(id_r, op_r).await],
-                vec![model.apply(id_m, op_m).await],
+                vec![redis.apply_op(id_r, op_r).await],
+                vec![model.apply_op(id_m, op_m).await],
             )
         } else {
-            (
-                redis.apply_batch(ops_r).await,
-                model.apply_batch(ops_m).await,
-            )
+            (redis.apply_ops(ops_r).await, model.apply_ops(ops_m).await)
         };
         for (((k, g), r), m) in gens.iter().zip(out_r).zip(out_m) {
             step += 1;

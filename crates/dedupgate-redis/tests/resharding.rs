@@ -7,6 +7,7 @@
 //! the whole reshard. Once the slot has moved, batches are decided on the target. (The client's
 //! resend of a call that already ran, after a redirect, is `docs/redis.md`'s narrow case.)
 
+use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
 
 use dedupgate_core::{Claim, GateError, Mark, Op, Outcome, RecordId, Store, StoreError};
@@ -75,7 +76,7 @@ async fn batches_during_a_reshard_are_never_answered_wrongly() {
         let old = ids_in_slot(&ns, slot, 20, 0);
         let new = ids_in_slot(&ns, slot, 20, 20);
         let answers = store
-            .apply_batch(old.iter().map(|id| (id.clone(), op.clone())).collect())
+            .apply_ops(old.iter().map(|id| (id.clone(), op.clone())).collect())
             .await;
         assert!(
             answers.iter().all(|a| is_new(a) == Some(true)),
@@ -114,7 +115,7 @@ async fn batches_during_a_reshard_are_never_answered_wrongly() {
         source
             .cli(&["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &target_id])
             .unwrap();
-        check(store.apply_batch(batch.clone()).await, "migrating");
+        check(store.apply_ops(batch.clone()).await, "migrating");
         assert_eq!(
             count(source),
             old.len() as u64,
@@ -142,7 +143,7 @@ async fn batches_during_a_reshard_are_never_answered_wrongly() {
             assert_eq!(reply, "OK");
         };
         migrate(&names[..10]);
-        check(store.apply_batch(batch.clone()).await, "half moved");
+        check(store.apply_ops(batch.clone()).await, "half moved");
 
         // 3. Every key has moved and the slot belongs to the target.
         migrate(&names[10..]);
@@ -154,7 +155,7 @@ async fn batches_during_a_reshard_are_never_answered_wrongly() {
         // The client learns the new owner from MOVED; a batch may fail while it does.
         let mut settled = false;
         for _ in 0..50 {
-            let answers = store.apply_batch(batch.clone()).await;
+            let answers = store.apply_ops(batch.clone()).await;
             let all_answered = answers.iter().all(|a| is_new(a).is_some());
             check(answers, "moved");
             if all_answered {

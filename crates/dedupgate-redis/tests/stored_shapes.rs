@@ -17,8 +17,9 @@
 
 use std::collections::HashMap;
 
+use dedupgate_core::testkit::ApplyOp;
 use dedupgate_core::{
-    decide, Change, Claim, Entry, GateError, Op, Outcome, RecordId, Store, Token,
+    decide, Change, Claim, Entry, GateError, Op, Outcome, RecordId, Token, ValidOp,
 };
 use dedupgate_redis::keys::record_keys;
 use dedupgate_redis::record::decode_record;
@@ -85,7 +86,7 @@ impl Shapes {
     async fn step(&mut self, key: &str, op: Op) -> Result<Outcome, GateError> {
         let id = self.id(key);
         let t0 = self.now_ms().await;
-        let answer = self.store.apply(id.clone(), op.clone()).await;
+        let answer = self.store.apply_op(id.clone(), op.clone()).await;
         let t1 = self.now_ms().await;
         self.check(&id, op, &answer, t0, t1).await;
         answer
@@ -95,7 +96,7 @@ impl Shapes {
     async fn batch(&mut self, ops: Vec<(String, Op)>) {
         let ops: Vec<(RecordId, Op)> = ops.into_iter().map(|(k, op)| (self.id(&k), op)).collect();
         let t0 = self.now_ms().await;
-        let answers = self.store.apply_batch(ops.clone()).await;
+        let answers = self.store.apply_ops(ops.clone()).await;
         let t1 = self.now_ms().await;
         for ((id, op), answer) in ops.into_iter().zip(&answers) {
             self.check(&id, op, answer, t0, t1).await;
@@ -118,7 +119,8 @@ impl Shapes {
         let current = self.model.get(id).cloned();
         let mut last = None;
         for t in t0..=t1 {
-            let d = decide(id, op.clone(), current.as_ref(), t, || {
+            let valid = ValidOp::try_from(op.clone()).expect("the test's ops are valid");
+            let d = decide(id, valid, current.as_ref(), t, || {
                 fresh.clone().unwrap_or_else(Token::generate)
             });
             let next = match d.change {

@@ -1,7 +1,8 @@
 //! A claim's record carries its ttl (the 11th element) only while in progress: the tombstones
 //! that release and forget leave drop it, so a build that reads records of 10 still reads them.
 
-use dedupgate_core::{Claim, Op, Outcome, RecordId, Store};
+use dedupgate_core::testkit::ApplyOp;
+use dedupgate_core::{Claim, Op, Outcome, RecordId};
 use dedupgate_redis::keys::record_keys;
 use dedupgate_redis::testkit::shared_redis_url;
 use dedupgate_redis::RedisStore;
@@ -31,7 +32,8 @@ async fn release_and_forget_tombstones_keep_no_ttl() {
             fingerprint: None,
             owner: None,
         };
-        let Ok(Outcome::Claimed(Claim::New(lease))) = store.apply(id.clone(), claim).await else {
+        let Ok(Outcome::Claimed(Claim::New(lease))) = store.apply_op(id.clone(), claim).await
+        else {
             panic!("{key}: claim not new");
         };
         let stored: (String, String) = redis::cmd("EVAL")
@@ -51,7 +53,7 @@ async fn release_and_forget_tombstones_keep_no_ttl() {
         } else {
             Op::Forget
         };
-        assert!(store.apply(id.clone(), op).await.is_ok(), "{key}");
+        assert!(store.apply_op(id.clone(), op).await.is_ok(), "{key}");
         let stored: (String, String) = redis::cmd("EVAL")
             .arg(STATE_AND_TTL)
             .arg(1)

@@ -394,8 +394,8 @@ impl AppState {
             let id = wire::record_id(q.namespace, q.key, &self.config.limits)?;
             principal.allows(id.namespace.as_str(), kind.admin())?;
             let op = match kind {
-                OpKind::Forget => dedupgate_core::Op::Forget,
-                _ => dedupgate_core::Op::Get,
+                OpKind::Forget => dedupgate_core::ValidOp::forget(),
+                _ => dedupgate_core::ValidOp::get(),
             };
             let outcome = self.decide(Parsed { kind, id, op }).await?;
             let mut out = Vec::with_capacity(512);

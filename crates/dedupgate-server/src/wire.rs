@@ -6,7 +6,10 @@
 //! 413 `payload_too_large`. Every check happens before the store is called, so a refused request
 //! never changes anything.
 
-use dedupgate_core::{Claim, Defaults, Lease, Op, Outcome, RecordId, Token};
+use dedupgate_core::{
+    Claim, ClaimOptions, CompleteOptions, Defaults, Lease, MarkOptions, Op, Outcome, RecordId,
+    Request, Token, ValidOp,
+};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -208,8 +211,8 @@ pub struct Parsed {
     pub kind: OpKind,
     /// The record it acts on.
     pub id: RecordId,
-    /// The operation, defaults applied.
-    pub op: Op,
+    /// The operation, defaults applied and checked by the core.
+    pub op: ValidOp,
 }
 
 fn json_problem(e: serde_json::Error) -> Problem {
@@ -624,35 +627,37 @@ pub fn parse_batch_item(
         Err(None) => return Err(Problem::invalid("missing field `op`")),
     };
     let token = || req_string(item.token, "token").map(Token::new);
-    let op = match kind {
-        OpKind::Claim => Op::Claim {
-            ttl_ms: duration(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
-            lease_ms: duration(item.lease_ms, "lease_ms")?.unwrap_or(defaults.lease_ms),
+    let request = match kind {
+        OpKind::Claim => Request::Claim(ClaimOptions {
+            ttl_ms: duration(item.ttl_ms, "ttl_ms")?,
+            lease_ms: duration(item.lease_ms, "lease_ms")?,
             fingerprint: opt_field(item.fingerprint, "fingerprint")?,
             owner: opt_field(item.owner, "owner")?,
-        },
-        OpKind::Complete => Op::Complete {
+        }),
+        OpKind::Complete => Request::Complete {
             token: token()?,
-            result: opt_field(item.result, "result")?,
-            ttl_ms: duration(item.ttl_ms, "ttl_ms")?,
+            opts: CompleteOptions {
+                result: opt_field(item.result, "result")?,
+                ttl_ms: duration(item.ttl_ms, "ttl_ms")?,
+            },
         },
-        OpKind::Release => Op::Release { token: token()? },
-        OpKind::Extend => Op::Extend {
+        OpKind::Release => Request::Release { token: token()? },
+        OpKind::Extend => Request::Extend {
             token: token()?,
             lease_ms: required_duration(item.lease_ms, "lease_ms")?,
         },
-        OpKind::Mark => Op::Mark {
-            ttl_ms: duration(item.ttl_ms, "ttl_ms")?.unwrap_or(defaults.ttl_ms),
+        OpKind::Mark => Request::Mark(MarkOptions {
+            ttl_ms: duration(item.ttl_ms, "ttl_ms")?,
             fingerprint: opt_field(item.fingerprint, "fingerprint")?,
             result: opt_field(item.result, "result")?,
-        },
-        OpKind::Get => Op::Get,
-        OpKind::Forget => Op::Forget,
+        }),
+        OpKind::Get => Request::Get,
+        OpKind::Forget => Request::Forget,
     };
     let namespace = req_string(item.namespace, "namespace")?;
     let key = req_string(item.key, "key")?;
     let id = record_id(namespace, key, limits)?;
-    check_op(&op, limits)?;
+    let op = valid_op(request, defaults, limits)?;
     Ok(Parsed { kind, id, op })
 }
 
@@ -828,63 +833,64 @@ fn parse_from<'de, D>(
 where
     D: serde::Deserializer<'de, Error = serde_json::Error>,
 {
-    let (namespace, key, op) = match kind {
+    let (namespace, key, request) = match kind {
         OpKind::Claim => {
             let r = ClaimReq::deserialize(de).map_err(json_problem)?;
-            let op = Op::Claim {
-                ttl_ms: duration(r.ttl_ms.map(RawValue::get), "ttl_ms")?.unwrap_or(defaults.ttl_ms),
-                lease_ms: duration(r.lease_ms.map(RawValue::get), "lease_ms")?
-                    .unwrap_or(defaults.lease_ms),
+            let request = Request::Claim(ClaimOptions {
+                ttl_ms: duration(r.ttl_ms.map(RawValue::get), "ttl_ms")?,
+                lease_ms: duration(r.lease_ms.map(RawValue::get), "lease_ms")?,
                 fingerprint: r.fingerprint,
                 owner: r.owner,
-            };
-            (r.namespace, r.key, op)
+            });
+            (r.namespace, r.key, request)
         }
         OpKind::Complete => {
             let r = CompleteReq::deserialize(de).map_err(json_problem)?;
-            let op = Op::Complete {
+            let request = Request::Complete {
                 token: Token::new(r.token),
-                result: r.result,
-                ttl_ms: duration(r.ttl_ms.map(RawValue::get), "ttl_ms")?,
+                opts: CompleteOptions {
+                    result: r.result,
+                    ttl_ms: duration(r.ttl_ms.map(RawValue::get), "ttl_ms")?,
+                },
             };
-            (r.namespace, r.key, op)
+            (r.namespace, r.key, request)
         }
         OpKind::Release => {
             let r = ReleaseReq::deserialize(de).map_err(json_problem)?;
-            let op = Op::Release {
+            let request = Request::Release {
                 token: Token::new(r.token),
             };
-            (r.namespace, r.key, op)
+            (r.namespace, r.key, request)
         }
         OpKind::Extend => {
             let r = ExtendReq::deserialize(de).map_err(json_problem)?;
-            let op = Op::Extend {
+            let request = Request::Extend {
                 token: Token::new(r.token),
                 lease_ms: required_duration(r.lease_ms.map(RawValue::get), "lease_ms")?,
             };
-            (r.namespace, r.key, op)
+            (r.namespace, r.key, request)
         }
         OpKind::Mark => {
             let r = MarkReq::deserialize(de).map_err(json_problem)?;
-            let op = Op::Mark {
-                ttl_ms: duration(r.ttl_ms.map(RawValue::get), "ttl_ms")?.unwrap_or(defaults.ttl_ms),
+            let request = Request::Mark(MarkOptions {
+                ttl_ms: duration(r.ttl_ms.map(RawValue::get), "ttl_ms")?,
                 fingerprint: r.fingerprint,
                 result: r.result,
-            };
-            (r.namespace, r.key, op)
+            });
+            (r.namespace, r.key, request)
         }
         OpKind::Get | OpKind::Forget => {
             let r = RecordReq::deserialize(de).map_err(json_problem)?;
-            let op = if kind == OpKind::Get {
-                Op::Get
+            let request = if kind == OpKind::Get {
+                Request::Get
             } else {
-                Op::Forget
+                Request::Forget
             };
-            (r.namespace, r.key, op)
+            (r.namespace, r.key, request)
         }
     };
     let id = record_id(namespace, key, limits)?;
-    check_op(&op, limits)?;
+    let op = valid_op(request, defaults, limits)?;
     Ok(Parsed { kind, id, op })
 }
 
@@ -907,10 +913,12 @@ pub fn record_id(namespace: String, key: String, limits: &Limits) -> Result<Reco
     RecordId::new(namespace, key).map_err(|e| Problem::invalid(e.to_string()))
 }
 
-fn check_op(op: &Op, limits: &Limits) -> Result<(), Problem> {
-    // The core's own checks (durations, tags, token), so a refused op never reaches the store.
-    op.validate().map_err(|e| Problem::invalid(e.to_string()))?;
-    let result = match op {
+/// The operation `request` asks for, built (defaults applied, fields checked) by the core, then
+/// held to the configured result size, so a refused op never reaches the store.
+fn valid_op(request: Request, defaults: &Defaults, limits: &Limits) -> Result<ValidOp, Problem> {
+    let op =
+        ValidOp::from_request(request, *defaults).map_err(|e| Problem::invalid(e.to_string()))?;
+    let result = match &*op {
         Op::Complete { result, .. } | Op::Mark { result, .. } => result.as_ref(),
         _ => None,
     };
@@ -924,7 +932,7 @@ fn check_op(op: &Op, limits: &Limits) -> Result<(), Problem> {
             )));
         }
     }
-    Ok(())
+    Ok(op)
 }
 
 struct ByteCounter(usize);
@@ -1030,7 +1038,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            p.op,
+            *p.op,
             Op::Claim {
                 ttl_ms: Defaults::default().ttl_ms,
                 lease_ms: Defaults::default().lease_ms,
@@ -1166,7 +1174,7 @@ mod tests {
         .unwrap();
         assert_eq!(claim.kind, OpKind::Claim);
         assert_eq!(
-            claim.op,
+            *claim.op,
             Op::Claim {
                 ttl_ms: d.ttl_ms,
                 lease_ms: d.lease_ms,
@@ -1182,7 +1190,7 @@ mod tests {
         let mark = parse_item(&escaped, &d, &l).unwrap();
         assert_eq!(mark.id.key.as_str(), "k\"q");
         assert_eq!(
-            mark.op,
+            *mark.op,
             Op::Mark {
                 ttl_ms: d.ttl_ms,
                 fingerprint: None,

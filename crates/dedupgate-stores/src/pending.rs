@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dedupgate_core::error::chain_text;
-use dedupgate_core::{GateError, Op, Outcome, RecordId, Store, StoreError, StoreStats};
+use dedupgate_core::{GateError, Outcome, RecordId, Store, StoreError, StoreStats, ValidOp};
 
 use crate::{open, OpenStoreError, StoreSpec};
 
@@ -152,27 +152,21 @@ async fn reopen(spec: StoreSpec, backoff: Backoff, shared: Arc<Shared>) {
 
 #[async_trait]
 impl Store for PendingStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    // An invalid op never gets here (a `ValidOp` was checked when it was built), so it is
+    // refused as invalid (400) whether or not the store is up, never "unavailable" (503).
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         match self.shared.store.get() {
             Some(s) => s.apply(id, op).await,
-            // An invalid op is the caller's mistake whether or not the store is up: say so
-            // (400), as every opened store does, rather than "unavailable, retry" (503).
-            None => {
-                op.validate()?;
-                Err(GateError::Store(self.not_open()))
-            }
+            None => Err(GateError::Store(self.not_open())),
         }
     }
 
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         match self.shared.store.get() {
             Some(s) => s.apply_batch(ops).await,
             None => ops
                 .iter()
-                .map(|(_, op)| {
-                    op.validate()?;
-                    Err(GateError::Store(self.not_open()))
-                })
+                .map(|_| Err(GateError::Store(self.not_open())))
                 .collect(),
         }
     }
@@ -225,6 +219,8 @@ fn spec_text(spec: &StoreSpec) -> String {
 #[cfg(all(test, feature = "redis", feature = "tiered"))]
 mod tests {
     use super::*;
+    use dedupgate_core::testkit::ApplyOp;
+    use dedupgate_core::Op;
 
     fn free_port() -> u16 {
         std::net::TcpListener::bind("127.0.0.1:0")
@@ -246,7 +242,7 @@ mod tests {
         let first = first.expect("the first open failed");
         assert!(first.is_unavailable(), "{first}");
         let id = RecordId::new("pending", "k").unwrap();
-        let r = store.apply(id, Op::Get).await;
+        let r = store.apply_op(id, Op::Get).await;
         assert!(
             matches!(r, Err(GateError::Store(StoreError::Unavailable(_)))),
             "{r:?}"
@@ -261,11 +257,11 @@ mod tests {
             owner: None,
         };
         let r = store
-            .apply(RecordId::new("pending", "k").unwrap(), bad.clone())
+            .apply_op(RecordId::new("pending", "k").unwrap(), bad.clone())
             .await;
         assert!(matches!(r, Err(GateError::Invalid(_))), "{r:?}");
         let answers = store
-            .apply_batch(vec![
+            .apply_ops(vec![
                 (RecordId::new("pending", "a").unwrap(), bad),
                 (RecordId::new("pending", "b").unwrap(), Op::Get),
             ])

@@ -26,8 +26,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dedupgate_core::decide::decide_read_only;
 use dedupgate_core::{
-    Claim, Clock, Entry, EntryState, GateError, Mark, Op, Outcome, Record, RecordId, State, Store,
-    StoreError, StoreStats, SystemClock,
+    Claim, Clock, Defaults, Entry, EntryState, GateError, Mark, MarkOptions, Op, Outcome, Record,
+    RecordId, State, Store, StoreError, StoreStats, SystemClock, ValidOp,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -107,7 +107,7 @@ impl TieredStore {
     }
 
     /// The fast store's answers to `ops`, or failures when it takes longer than allowed.
-    async fn fast_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn fast_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         let n = ops.len();
         match tokio::time::timeout(self.fast_timeout, self.fast.apply_batch(ops)).await {
             Ok(answers) => answers,
@@ -179,7 +179,7 @@ impl TieredStore {
     /// refusal. A decision that would write (a free or taken-over key) belongs to the durable
     /// store, and so does a refusal (a fingerprint mismatch), which the durable store, the
     /// authority, answers itself.
-    fn answer_from_cache(id: &RecordId, op: &Op, dur: Record, now_ms: u64) -> Option<Outcome> {
+    fn answer_from_cache(id: &RecordId, op: &ValidOp, dur: Record, now_ms: u64) -> Option<Outcome> {
         let entry = completed_entry(dur);
         decide_read_only(id, op, Some(&entry), now_ms)?.ok()
     }
@@ -191,7 +191,7 @@ impl TieredStore {
         }
         let ops = ids
             .iter()
-            .map(|id| (Self::cache_id(id), Op::Forget))
+            .map(|id| (Self::cache_id(id), ValidOp::forget()))
             .collect();
         for r in self.fast.apply_batch(ops).await {
             if let Err(e) = r {
@@ -200,22 +200,22 @@ impl TieredStore {
         }
     }
 
-    async fn decide(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn decide(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         let n = ops.len();
         let mut answers: Vec<Option<Result<Outcome, GateError>>> = (0..n).map(|_| None).collect();
 
-        // Ops that may be answered from the cache: valid claims, marks and gets on an id that
+        // Ops that may be answered from the cache: claims, marks and gets on an id that
         // no earlier op of this batch touched (a later op must see earlier ones).
         let mut seen: HashSet<&RecordId> = HashSet::with_capacity(n);
         let mut lookups: Vec<usize> = Vec::new();
         let mut forgotten: Vec<RecordId> = Vec::new();
         for (i, (id, op)) in ops.iter().enumerate() {
             let first = seen.insert(id);
-            let cacheable = matches!(op, Op::Claim { .. } | Op::Mark { .. } | Op::Get);
-            if first && cacheable && op.validate().is_ok() {
+            let cacheable = matches!(**op, Op::Claim { .. } | Op::Mark { .. } | Op::Get);
+            if first && cacheable {
                 lookups.push(i);
             }
-            if matches!(op, Op::Forget) {
+            if matches!(**op, Op::Forget) {
                 forgotten.push(id.clone());
             }
         }
@@ -225,7 +225,7 @@ impl TieredStore {
         if !lookups.is_empty() {
             let gets = lookups
                 .iter()
-                .map(|&i| (Self::cache_id(&ops[i].0), Op::Get))
+                .map(|&i| (Self::cache_id(&ops[i].0), ValidOp::get()))
                 .collect();
             let found = self.fast_batch(gets).await;
             let now_ms = self.clock.now_ms();
@@ -279,7 +279,7 @@ impl TieredStore {
                 continue;
             }
             let ttl_ms = rec.expires_at_ms.saturating_sub(now_ms);
-            if ttl_ms <= self.expiry_margin_ms || ttl_ms > dedupgate_core::op::DURATION_MS_MAX {
+            if ttl_ms <= self.expiry_margin_ms {
                 continue;
             }
             let Ok(result) = serde_json::to_value(Cached {
@@ -287,14 +287,16 @@ impl TieredStore {
             }) else {
                 continue;
             };
-            fills.push((
-                Self::cache_id(id),
-                Op::Mark {
-                    ttl_ms,
-                    fingerprint: None,
-                    result: Some(result),
-                },
-            ));
+            let fill = MarkOptions {
+                ttl_ms: Some(ttl_ms),
+                fingerprint: None,
+                result: Some(result),
+            };
+            // A ttl past the longest one a mark takes is not cached.
+            let Ok(fill) = ValidOp::mark(fill, Defaults::default()) else {
+                continue;
+            };
+            fills.push((Self::cache_id(id), fill));
         }
         for (i, answer) in rest_index.into_iter().zip(decided) {
             answers[i] = Some(answer);
@@ -341,7 +343,7 @@ fn completed_entry(dur: Record) -> Entry {
 
 #[async_trait]
 impl Store for TieredStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         self.decide(vec![(id, op)]).await.pop().unwrap_or_else(|| {
             Err(GateError::Store(StoreError::Unavailable(
                 "no answer".to_owned(),
@@ -349,7 +351,7 @@ impl Store for TieredStore {
         })
     }
 
-    async fn apply_batch(&self, ops: Vec<(RecordId, Op)>) -> Vec<Result<Outcome, GateError>> {
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
         self.decide(ops).await
     }
 
@@ -424,7 +426,10 @@ mod tests {
     fn a_cached_record_answers_duplicates_and_gets_as_the_durable_store_would() {
         let id = RecordId::new("ns", "k").unwrap();
         let rec = completed(&id);
-        let answer = |op: &Op| TieredStore::answer_from_cache(&id, op, rec.clone(), 500);
+        let answer = |op: &Op| {
+            let op = ValidOp::try_from(op.clone()).expect("the test's ops are valid");
+            TieredStore::answer_from_cache(&id, &op, rec.clone(), 500)
+        };
         assert_eq!(
             answer(&claim(Some("fp"))),
             Some(Outcome::Claimed(Claim::Duplicate {
@@ -449,7 +454,10 @@ mod tests {
     fn refusals_and_writes_go_to_the_durable_store() {
         let id = RecordId::new("ns", "k").unwrap();
         let rec = completed(&id);
-        let answer = |op: &Op, now_ms| TieredStore::answer_from_cache(&id, op, rec.clone(), now_ms);
+        let answer = |op: &Op, now_ms| {
+            let op = ValidOp::try_from(op.clone()).expect("the test's ops are valid");
+            TieredStore::answer_from_cache(&id, &op, rec.clone(), now_ms)
+        };
         assert_eq!(answer(&claim(Some("other")), 500), None, "a mismatch");
         assert_eq!(answer(&Op::Forget, 500), None, "forget writes");
         assert_eq!(answer(&claim(None), 10_000), None, "expired: a new claim");

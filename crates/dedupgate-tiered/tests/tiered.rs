@@ -1,6 +1,7 @@
 //! The two-tier store: the conformance suite over memory+memory (one manual clock), Redis+Redis
 //! and Redis+PostgreSQL, and a load during which the fast store is flushed and then killed.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -159,14 +160,14 @@ async fn flushing_or_losing_the_fast_store_lets_no_duplicate_through() {
                             fingerprint: None,
                             owner: None,
                         };
-                        match tier.apply(id.clone(), claim).await {
+                        match tier.apply_op(id.clone(), claim).await {
                             Ok(Outcome::Claimed(Claim::New(lease))) => {
                                 let done = Op::Complete {
                                     token: lease.token,
                                     result: Some(serde_json::json!({"by": w})),
                                     ttl_ms: None,
                                 };
-                                tier.apply(id, done).await.expect("complete own claim");
+                                tier.apply_op(id, done).await.expect("complete own claim");
                                 log.push((k, true));
                             }
                             Ok(Outcome::Claimed(Claim::Duplicate { .. })) => log.push((k, false)),
@@ -241,10 +242,10 @@ async fn a_cached_answer_equals_the_durable_answer() {
         fingerprint: Some("fp".into()),
         result: Some(serde_json::json!({"n": 1.5})),
     };
-    tier.apply(id.clone(), mark.clone()).await.unwrap();
-    let from_durable = durable.apply(id.clone(), mark.clone()).await.unwrap();
+    tier.apply_op(id.clone(), mark.clone()).await.unwrap();
+    let from_durable = durable.apply_op(id.clone(), mark.clone()).await.unwrap();
     let before = tier.counters().hits.load(Ordering::Relaxed);
-    let from_tier = tier.apply(id.clone(), mark.clone()).await.unwrap();
+    let from_tier = tier.apply_op(id.clone(), mark.clone()).await.unwrap();
     assert_eq!(tier.counters().hits.load(Ordering::Relaxed), before + 1);
     assert_eq!(from_tier, from_durable);
     // A different fingerprint is never answered from the cache.
@@ -254,20 +255,20 @@ async fn a_cached_answer_equals_the_durable_answer() {
         result: None,
     };
     assert!(matches!(
-        tier.apply(id.clone(), other).await,
+        tier.apply_op(id.clone(), other).await,
         Err(dedupgate_core::GateError::FingerprintMismatch)
     ));
     // Forget clears the cache too; then the key is new again.
     assert!(matches!(
-        tier.apply(id.clone(), Op::Forget).await,
+        tier.apply_op(id.clone(), Op::Forget).await,
         Ok(Outcome::Forgotten(true))
     ));
     assert!(matches!(
-        tier.apply(id.clone(), Op::Get).await,
+        tier.apply_op(id.clone(), Op::Get).await,
         Ok(Outcome::Found(None))
     ));
     assert!(matches!(
-        tier.apply(id, mark).await,
+        tier.apply_op(id, mark).await,
         Ok(Outcome::Marked(dedupgate_core::Mark::New { .. }))
     ));
 }
@@ -289,15 +290,15 @@ async fn a_stalled_fast_store_is_skipped() {
         fingerprint: None,
         result: Some(serde_json::json!("done")),
     };
-    tier.apply(id("a"), mark.clone()).await.unwrap();
+    tier.apply_op(id("a"), mark.clone()).await.unwrap();
     let pid = fast_server.pid().expect("running").to_string();
     let status = std::process::Command::new("kill")
         .args(["-STOP", &pid])
         .status()
         .unwrap();
     assert!(status.success());
-    let dup = tier.apply(id("a"), mark.clone()).await;
-    let fresh = tier.apply(id("b"), mark.clone()).await;
+    let dup = tier.apply_op(id("a"), mark.clone()).await;
+    let fresh = tier.apply_op(id("b"), mark.clone()).await;
     let _ = std::process::Command::new("kill")
         .args(["-CONT", &pid])
         .status();

@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dedupgate_core::{Mark, Op, Outcome, RecordId, Store};
+use dedupgate_core::{Defaults, Mark, MarkOptions, Outcome, RecordId, Store, ValidOp};
 use dedupgate_redis::testkit::{free_port, RedisServer};
 use dedupgate_redis::RedisStore;
 use serde::Serialize;
@@ -107,11 +107,11 @@ pub async fn measure(
                 let Ok(id) = RecordId::new("failover", key.clone()) else {
                     continue;
                 };
-                let op = Op::Mark {
-                    ttl_ms: 3_600_000,
-                    fingerprint: None,
-                    result: None,
+                let op = MarkOptions {
+                    ttl_ms: Some(3_600_000),
+                    ..Default::default()
                 };
+                let op = ValidOp::mark(op, Defaults::default()).expect("a valid mark");
                 match store.apply(id, op).await {
                     Ok(Outcome::Marked(Mark::New { .. })) => {
                         acked.lock().unwrap_or_else(|p| p.into_inner()).push(key)
@@ -162,7 +162,7 @@ pub async fn measure(
     let mut lost = 0u64;
     for key in &keys {
         let id = RecordId::new("failover", key.clone()).expect("made valid above");
-        match promoted.apply(id, Op::Get).await {
+        match promoted.apply(id, ValidOp::get()).await {
             Ok(Outcome::Found(Some(_))) => {}
             _ => lost += 1,
         }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dedupgate_core::{
-    Claim, GateError, Mark, Op, Outcome, Record, RecordId, Store, StoreError, Token,
+    Claim, GateError, Mark, Op, Outcome, Record, RecordId, Store, StoreError, Token, ValidOp,
 };
 use serde::{Deserialize, Serialize};
 
@@ -361,10 +361,13 @@ impl Recorder {
             });
             return answer;
         }
-        let result = match RecordId::new(namespace, key) {
+        // The identity is checked first, then the op, as every face does.
+        let checked = RecordId::new(namespace, key)
+            .and_then(|id| Ok((id, ValidOp::try_from(op.to_wire_op())?)));
+        let result = match checked {
             Err(e) => Err(GateError::Invalid(e)),
-            Ok(id) => {
-                let fut = self.store.apply(id, op.to_wire_op());
+            Ok((id, wire_op)) => {
+                let fut = self.store.apply(id, wire_op);
                 match self.timeout {
                     None => fut.await,
                     Some(d) => match tokio::time::timeout(d, fut).await {

@@ -51,7 +51,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use dedupgate_core::{decide, Change, Claim, Entry, GateError, Mark, Outcome, RecordId, Token};
+use dedupgate_core::{
+    decide, Change, Claim, Decision, Entry, GateError, Mark, Outcome, RecordId, Token, ValidOp,
+};
 
 use crate::history::{Event, HAnswer, HOp};
 
@@ -451,9 +453,16 @@ impl<'a> Search<'a> {
                     .unwrap_or_else(|| h.to_owned()),
             )
         });
-        let decision = decide(&self.id, core_op, state.entry.as_ref(), now_ms, || {
-            Token::new(model_token(i))
-        });
+        // An op the core refuses to build is refused before any store, changing nothing.
+        let decision = match ValidOp::try_from(core_op) {
+            Ok(core_op) => decide(&self.id, core_op, state.entry.as_ref(), now_ms, || {
+                Token::new(model_token(i))
+            }),
+            Err(e) => Decision {
+                answer: Err(e.into()),
+                change: Change::Keep,
+            },
+        };
         let mut next = state.clone();
         if op.return_ns.is_some()
             && !answers_match(&decision.answer, &op.event.answer, &mut next.bindings)

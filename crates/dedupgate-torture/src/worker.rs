@@ -18,7 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dedupgate_core::{Claim, GateError, Mark, RecordId, Store, StoreError};
+use dedupgate_core::{Claim, GateError, Mark, RecordId, Store, StoreError, ValidOp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -140,10 +140,13 @@ impl Worker {
     pub async fn call(&mut self, namespace: &str, key: &str, op: HOp) -> io::Result<HAnswer> {
         let call_ns = wall_ns();
         let seq = self.log.call(namespace, key, &op, call_ns)?;
-        let result = match RecordId::new(namespace, key) {
+        // The identity is checked first, then the op, as every face does.
+        let checked = RecordId::new(namespace, key)
+            .and_then(|id| Ok((id, ValidOp::try_from(op.to_wire_op())?)));
+        let result = match checked {
             Err(e) => Err(GateError::Invalid(e)),
-            Ok(id) => {
-                let fut = self.store.apply(id, op.to_wire_op());
+            Ok((id, wire_op)) => {
+                let fut = self.store.apply(id, wire_op);
                 match tokio::time::timeout(Duration::from_millis(self.plan.call_timeout_ms), fut)
                     .await
                 {

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use dedupgate_core::{
-    decide, Change, Claim, Entry, GateError, Lease, MemoryStore, Op, Outcome, Record, RecordId,
-    State, Store, StoreError, Token,
+    decide, Change, Claim, Entry, GateError, Lease, MemoryStore, Outcome, Record, RecordId, State,
+    Store, StoreError, Token, ValidOp,
 };
 use dedupgate_torture::linrun::{self, LinRunConfig};
 use dedupgate_torture::{check, check_key, Event, HAnswer, HOp, LinConfig, Verdict};
@@ -357,7 +357,7 @@ struct CheckThenActStore {
 
 #[async_trait]
 impl Store for CheckThenActStore {
-    async fn apply(&self, id: RecordId, op: Op) -> Result<Outcome, GateError> {
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
         let current = self.map.lock().unwrap().get(&id).cloned();
         // Both callers read before either writes.
         self.barrier.wait().await;

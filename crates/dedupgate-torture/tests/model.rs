@@ -7,6 +7,7 @@
 //! Stores: the memory store (the reference itself: this checks the model plumbing), the
 //! embedded store on a `ManualClock`. Seeds are printed; replay with `DEDUPGATE_TORTURE_SEED`.
 
+use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
 
 use dedupgate_core::{Claim, ManualClock, MemoryStore, RecordId, Store};
@@ -143,7 +144,7 @@ fn run_and_check(
                 let k = *key as usize;
                 let hop = to_hop(op, &tokens[k]);
                 let id = RecordId::new(ns, format!("k{k}")).unwrap();
-                let result = rt.block_on(store.apply(id, hop.to_wire_op()));
+                let result = rt.block_on(store.apply_op(id, hop.to_wire_op()));
                 let answer = HAnswer::from_result(&result);
                 prop_assert!(!answer.is_unknown(), "store error {result:?}");
                 if let HAnswer::Claimed {

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use dedupgate_core::{decide, Change, Entry, Op, RecordId, StoreError, Token};
+use dedupgate_core::{decide, Change, Entry, RecordId, StoreError, Token, ValidOp};
 
 use crate::codec::{
     decode_entry, encode_entry, expiry_bucket, expiry_key, push_expiry_id, EXPIRY_RECORD_IDS_MAX,
@@ -31,7 +31,7 @@ pub(crate) struct Slot {
 /// every commit. Emptied after each batch, so no entry outlives the batch that read it.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    pub(crate) ops: Vec<(RecordId, Op)>,
+    pub(crate) ops: Vec<(RecordId, ValidOp)>,
     /// Every op's storage key, encoded once per batch, back to back; `key_ends[i]` ends op i's.
     pub(crate) keys: Vec<u8>,
     pub(crate) key_ends: Vec<usize>,
@@ -85,7 +85,7 @@ fn read_slot(
 /// transaction only, so their order changes no answer.
 pub(crate) fn preload(
     txn: &mut dyn Txn,
-    ops: &[(RecordId, Op)],
+    ops: &[(RecordId, ValidOp)],
     keys: &[u8],
     key_ends: &[usize],
     slots: &mut HashMap<Vec<u8>, Slot>,
@@ -108,7 +108,7 @@ pub(crate) fn preload(
 /// answer comes with whether it is settled (needs no sync). Returns whether to commit.
 pub(crate) fn decide_all<'k>(
     txn: &mut dyn Txn,
-    ops: impl Iterator<Item = ((RecordId, Op), &'k [u8])>,
+    ops: impl Iterator<Item = ((RecordId, ValidOp), &'k [u8])>,
     now_ms: u64,
     slots: &mut HashMap<Vec<u8>, Slot>,
     answers: &mut Vec<(Answer, bool)>,

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use dedupgate_core::{GateError, Op, Outcome, RecordId, StoreError, StoreStats};
+use dedupgate_core::{GateError, Outcome, RecordId, StoreError, StoreStats, ValidOp};
 use tokio::sync::oneshot;
 
 use crate::engine::DurableView;
@@ -16,11 +16,11 @@ pub(crate) type Answer = Result<Outcome, GateError>;
 pub(crate) enum Request {
     One {
         id: RecordId,
-        op: Op,
+        op: ValidOp,
         reply: oneshot::Sender<Answer>,
     },
     Many {
-        ops: Vec<(RecordId, Op)>,
+        ops: Vec<(RecordId, ValidOp)>,
         reply: oneshot::Sender<Vec<Answer>>,
     },
     Sweep {

@@ -15,8 +15,8 @@ use anyhow::Context;
 #[cfg(feature = "http-client")]
 use dedupgate_client::{Client, ClientError, MarkOptions};
 use dedupgate_core::{
-    ClaimOptions, Gate, GateError, KeySet, KeySetCall, Namespace, Op, Outcome, RecordId, Store,
-    Token,
+    ClaimOptions, CompleteOptions, Gate, GateError, KeySet, KeySetCall, Namespace, Outcome,
+    RecordId, Store, Token, ValidOp,
 };
 use dedupgate_server::parse_duration_ms;
 use serde_json::{json, Value};
@@ -481,11 +481,11 @@ async fn via_store(spec: StoreSpec, call: &Call) -> Result<Value, Failure> {
         } => {
             // Gate::complete keeps the claim's expiry; a new ttl goes through the store's op.
             let id = RecordId::new(ns, key).map_err(|e| from_gate(e.into()))?;
-            let op = Op::Complete {
-                token: token.clone(),
+            let opts = CompleteOptions {
                 result: result.clone(),
                 ttl_ms: *ttl_ms,
             };
+            let op = ValidOp::complete(token.clone(), opts).map_err(|e| from_gate(e.into()))?;
             match gate.store().apply(id, op).await.map_err(from_gate)? {
                 Outcome::Completed(record) => json!({ "record": record }),
                 other => {

@@ -15,7 +15,8 @@ use anyhow::{anyhow, bail};
 #[cfg(feature = "http-client")]
 use dedupgate_client::{Client, ClientError, MarkOptions};
 use dedupgate_core::{
-    Claim, ClaimOptions, Gate, GateError, KeySet, Mark, Op, Outcome, Record, RecordId, State, Token,
+    Claim, ClaimOptions, CompleteOptions, Gate, GateError, KeySet, Mark, Outcome, Record, RecordId,
+    State, Token, ValidOp,
 };
 #[cfg(feature = "http-client")]
 use serde_json::json;
@@ -315,28 +316,33 @@ impl Backend {
                 let gate = self.gate().await?;
                 let mut ops = Vec::with_capacity(n);
                 for (k, t) in completes {
+                    let opts = CompleteOptions {
+                        result: None,
+                        ttl_ms: Some(ttl_ms),
+                    };
                     ops.push((
                         RecordId::new(ns, k.as_str())?,
-                        Op::Complete {
-                            token: t.clone(),
-                            result: None,
-                            ttl_ms: Some(ttl_ms),
-                        },
+                        ValidOp::complete(t.clone(), opts)?,
                     ));
                 }
                 for k in keys {
                     let op = match write {
-                        LedgerWrite::Claim { lease_ms, owner } => Op::Claim {
-                            ttl_ms,
-                            lease_ms: *lease_ms,
-                            fingerprint: None,
-                            owner: Some(owner.clone()),
-                        },
-                        LedgerWrite::Mark => Op::Mark {
-                            ttl_ms,
-                            fingerprint: None,
-                            result: None,
-                        },
+                        LedgerWrite::Claim { lease_ms, owner } => {
+                            let opts = ClaimOptions {
+                                ttl_ms: Some(ttl_ms),
+                                lease_ms: Some(*lease_ms),
+                                fingerprint: None,
+                                owner: Some(owner.clone()),
+                            };
+                            ValidOp::claim(opts, gate.defaults())?
+                        }
+                        LedgerWrite::Mark => {
+                            let opts = dedupgate_core::MarkOptions {
+                                ttl_ms: Some(ttl_ms),
+                                ..Default::default()
+                            };
+                            ValidOp::mark(opts, gate.defaults())?
+                        }
                     };
                     ops.push((RecordId::new(ns, k.as_str())?, op));
                 }
@@ -395,8 +401,9 @@ impl Backend {
                     };
                     let mut ops = Vec::with_capacity(chunk.len());
                     for (k, t) in chunk {
-                        if let Ok(id) = RecordId::new(ns, k.as_str()) {
-                            ops.push((id, Op::Release { token: t.clone() }));
+                        let id = RecordId::new(ns, k.as_str());
+                        if let (Ok(id), Ok(op)) = (id, ValidOp::release(t.clone())) {
+                            ops.push((id, op));
                         }
                     }
                     let _ = gate.store().apply_batch(ops).await;
