@@ -194,6 +194,11 @@ impl Store for HttpStore {
         Ok(0)
     }
 
+    /// The server at the other end owns its store's sweeping.
+    fn sweeps_itself(&self) -> bool {
+        true
+    }
+
     fn describe(&self) -> String {
         format!("http: {}", self.base)
     }

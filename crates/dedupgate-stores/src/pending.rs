@@ -185,6 +185,12 @@ impl Store for PendingStore {
         }
     }
 
+    /// The opened store's answer; until it opens, false, so a face's sweep timer keeps calling
+    /// [`Store::sweep_expired`], which forwards once the store is open.
+    fn sweeps_itself(&self) -> bool {
+        self.shared.store.get().is_some_and(|s| s.sweeps_itself())
+    }
+
     async fn stats(&self) -> Result<StoreStats, StoreError> {
         match self.shared.store.get() {
             Some(s) => s.stats().await,
