@@ -4,27 +4,11 @@
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use dedupgate_client::{HttpStore, HttpStoreOptions};
-use dedupgate_core::testkit::{run_all, Harness};
-use dedupgate_core::{ManualClock, MemoryStore, Store};
+use dedupgate_core::testkit::{run_all, ClockedHarness};
+use dedupgate_core::{ManualClock, MemoryStore};
 use dedupgate_server::{AppState, ServerConfig};
 use tokio::sync::oneshot;
-
-struct OverHttp {
-    clock: ManualClock,
-    store: Arc<dyn Store>,
-}
-
-#[async_trait]
-impl Harness for OverHttp {
-    fn store(&self) -> Arc<dyn Store> {
-        self.store.clone()
-    }
-    async fn advance(&self, ms: u64) {
-        self.clock.advance(ms);
-    }
-}
 
 /// Serves a memory store on a free port; the server stops when the returned sender drops.
 async fn server_over_memory(clock: &ManualClock) -> (String, oneshot::Sender<()>) {
@@ -43,7 +27,7 @@ async fn passes(options: HttpStoreOptions) {
     let clock = ManualClock::new(1_764_000_000_000);
     let (url, _stop) = server_over_memory(&clock).await;
     let store = Arc::new(HttpStore::new(&url, options).unwrap());
-    run_all(&OverHttp { clock, store }).await;
+    run_all(&ClockedHarness { clock, store }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -3,7 +3,15 @@
 //! A store's test crate implements [`Harness`] and calls [`run_all`]. Each case works in a
 //! namespace of its own, so remote stores can share one server between runs. Time moves through
 //! [`Harness::advance`]: a [`crate::ManualClock`] for in-process stores, a real sleep for stores
-//! judged on a server's clock, so durations here are short but not tiny.
+//! judged on a server's clock, so durations here are short but not tiny. [`ClockedHarness`] and
+//! [`RealTimeHarness`] are those two harnesses; [`check_stored_shapes`] is the check a
+//! remote store runs on the records its own engine writes.
+
+mod harnesses;
+mod shapes;
+
+pub use harnesses::{ClockedHarness, RealTimeHarness};
+pub use shapes::{check_stored_shapes, StoredShapes};
 
 use std::collections::HashMap;
 use std::sync::Arc;

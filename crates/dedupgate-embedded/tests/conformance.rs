@@ -2,26 +2,9 @@
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use dedupgate_core::testkit::{run_all, Harness};
-use dedupgate_core::{ManualClock, Store};
+use dedupgate_core::testkit::{run_all, ClockedHarness};
+use dedupgate_core::ManualClock;
 use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
-
-struct Embedded {
-    store: Arc<EmbeddedStore>,
-    clock: ManualClock,
-}
-
-#[async_trait]
-impl Harness for Embedded {
-    fn store(&self) -> Arc<dyn Store> {
-        self.store.clone()
-    }
-
-    async fn advance(&self, ms: u64) {
-        self.clock.advance(ms);
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn embedded_store_passes_the_conformance_suite() {
@@ -32,7 +15,7 @@ async fn embedded_store_passes_the_conformance_suite() {
         ..EmbeddedOptions::default()
     };
     let store = Arc::new(EmbeddedStore::open(dir.path().join("data"), options).unwrap());
-    let h = Embedded {
+    let h = ClockedHarness {
         store: store.clone(),
         clock,
     };

@@ -4,25 +4,7 @@ mod common;
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use dedupgate_core::testkit::{run_all, Harness};
-use dedupgate_core::Store;
-
-struct PgHarness {
-    store: Arc<dyn Store>,
-}
-
-#[async_trait]
-impl Harness for PgHarness {
-    fn store(&self) -> Arc<dyn Store> {
-        self.store.clone()
-    }
-
-    /// The store judges time on the database's clock: let real time pass.
-    async fn advance(&self, ms: u64) {
-        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
-    }
-}
+use dedupgate_core::testkit::{run_all, RealTimeHarness};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_store_passes_the_conformance_suite() {
@@ -30,9 +12,7 @@ async fn postgres_store_passes_the_conformance_suite() {
     let schema = common::fresh_schema("conformance");
     let store = common::open(&url, &schema, 16).await;
     common::with_schema_dropped(&url, &schema, async move {
-        let harness = PgHarness {
-            store: Arc::new(store),
-        };
+        let harness = RealTimeHarness(Arc::new(store));
         run_all(&harness).await;
     })
     .await;
@@ -46,9 +26,7 @@ async fn postgres_store_decides_concurrent_overlapping_batches() {
     let schema = common::fresh_schema("overlap");
     let store = common::open(&url, &schema, 16).await;
     common::with_schema_dropped(&url, &schema, async move {
-        let harness = PgHarness {
-            store: Arc::new(store),
-        };
+        let harness = RealTimeHarness(Arc::new(store));
         let (_, case) = dedupgate_core::testkit::cases()
             .into_iter()
             .find(|(name, _)| *name == "concurrent_overlapping_batches_one_new_per_key")

@@ -2,34 +2,19 @@
 
 use dedupgate_core::testkit::ApplyOp;
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
-use dedupgate_core::testkit::{run_all, Harness};
-use dedupgate_core::{Claim, Op, Outcome, RecordId, Store};
+use dedupgate_core::testkit::{run_all, RealTimeHarness};
+use dedupgate_core::{Claim, Op, Outcome, RecordId};
 use dedupgate_redis::keys::{record_keys, CLUSTER_SLOTS};
 use dedupgate_redis::testkit::{shared_redis_url, RedisCluster};
 use dedupgate_redis::RedisStore;
-
-/// Redis judges time on its own clock, so the suite's time passes as a real sleep.
-struct RealTime(Arc<dyn Store>);
-
-#[async_trait]
-impl Harness for RealTime {
-    fn store(&self) -> Arc<dyn Store> {
-        self.0.clone()
-    }
-    async fn advance(&self, ms: u64) {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_on_single_redis() {
     let store = RedisStore::open(&shared_redis_url())
         .await
         .expect("the local Redis (DEDUPGATE_TEST_REDIS_URL) must be reachable");
-    run_all(&RealTime(Arc::new(store))).await;
+    run_all(&RealTimeHarness(Arc::new(store))).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -43,7 +28,7 @@ async fn conformance_and_every_slot_on_a_real_cluster() {
             .await
             .expect("open cluster"),
     );
-    run_all(&RealTime(store.clone())).await;
+    run_all(&RealTimeHarness(store.clone())).await;
 
     // Claim keys until every one of the 16384 slots holds one, in batches, then check each.
     let mut by_slot: Vec<Option<RecordId>> = vec![None; CLUSTER_SLOTS as usize];

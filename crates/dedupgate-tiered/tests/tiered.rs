@@ -5,44 +5,15 @@ use dedupgate_core::testkit::ApplyOp;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
-use dedupgate_core::testkit::{run_all, Harness};
-use dedupgate_core::{Claim, Clock, ManualClock, MemoryStore, Op, Outcome, RecordId, Store};
+use dedupgate_core::testkit::{run_all, ClockedHarness, RealTimeHarness};
+use dedupgate_core::{Claim, Clock, ManualClock, MemoryStore, Op, Outcome, RecordId};
 use dedupgate_postgres::{tokio_postgres, PgStore};
 use dedupgate_redis::testkit::{shared_redis_url, RedisServer};
 use dedupgate_redis::RedisStore;
 use dedupgate_tiered::TieredStore;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-
-struct Manual {
-    store: Arc<dyn Store>,
-    clock: ManualClock,
-}
-
-#[async_trait]
-impl Harness for Manual {
-    fn store(&self) -> Arc<dyn Store> {
-        self.store.clone()
-    }
-    async fn advance(&self, ms: u64) {
-        self.clock.advance(ms);
-    }
-}
-
-struct RealTime(Arc<dyn Store>);
-
-#[async_trait]
-impl Harness for RealTime {
-    fn store(&self) -> Arc<dyn Store> {
-        self.0.clone()
-    }
-    async fn advance(&self, ms: u64) {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_memory_over_memory() {
@@ -53,7 +24,7 @@ async fn conformance_memory_over_memory() {
         Arc::new(MemoryStore::with_clock(shared.clone())),
         shared,
     ));
-    run_all(&Manual {
+    run_all(&ClockedHarness {
         store: tier.clone(),
         clock,
     })
@@ -78,7 +49,7 @@ async fn conformance_redis_over_redis() {
     // lookup into a miss, and this test wants to see hits.
     let tier =
         Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)).with_fast_timeout_ms(2_000));
-    run_all(&RealTime(tier.clone())).await;
+    run_all(&RealTimeHarness(tier.clone())).await;
     assert!(tier.counters().hits.load(Ordering::Relaxed) > 0);
 }
 
@@ -101,7 +72,7 @@ async fn conformance_redis_over_postgres() {
         Arc::new(TieredStore::new(Arc::new(fast), Arc::new(durable)).with_fast_timeout_ms(2_000));
     let outcome = tokio::spawn({
         let tier = tier.clone();
-        async move { run_all(&RealTime(tier)).await }
+        async move { run_all(&RealTimeHarness(tier)).await }
     })
     .await;
     let (client, conn) = tokio_postgres::connect(&pg_url, tokio_postgres::NoTls)
