@@ -9,7 +9,11 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dedupgate_core::{ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError, ValidOp};
+use dedupgate_core::{
+    ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError, Token, ValidOp,
+    BATCH_OPS_MAX,
+};
+use serde_json::{json, Value};
 
 use crate::{Client, ClientError, MarkOptions, Problem, RetryPolicy, DEFAULT_TIMEOUT_MS};
 
@@ -182,6 +186,52 @@ impl Store for HttpStore {
         }
     }
 
+    /// One `POST /v1/batch` per [`BATCH_OPS_MAX`] ops instead of a request per op: the server
+    /// decides them in order, each atomically, sharing its store's commit. With retries on, a
+    /// batch holding a release goes op by op instead, because only the typed release knows
+    /// that `lease_lost` after a retry means its first try freed the key.
+    async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
+        let releases = ops.iter().any(|(_, op)| matches!(**op, Op::Release { .. }));
+        if releases && !self.ownerless_as_is {
+            let mut out = Vec::with_capacity(ops.len());
+            for (id, op) in ops {
+                out.push(self.apply(id, op).await);
+            }
+            return out;
+        }
+        let mut out = Vec::with_capacity(ops.len());
+        let mut ops = ops.into_iter().peekable();
+        while ops.peek().is_some() {
+            let chunk: Vec<(RecordId, ValidOp)> = ops.by_ref().take(BATCH_OPS_MAX).collect();
+            let kinds: Vec<&'static str> = chunk.iter().map(|(_, op)| op.name()).collect();
+            let items = chunk
+                .into_iter()
+                .map(|(id, op)| batch_item(&id, op, self.ownerless_as_is))
+                .collect();
+            match self.client.batch(items).await {
+                Ok(answers) if answers.len() == kinds.len() => out.extend(
+                    kinds
+                        .into_iter()
+                        .zip(answers)
+                        .map(|(kind, answer)| batch_outcome(kind, answer)),
+                ),
+                Ok(answers) => {
+                    let why = format!(
+                        "the server answered {} items to a batch of {}",
+                        answers.len(),
+                        kinds.len()
+                    );
+                    out.extend(kinds.iter().map(|_| Err(unavailable(&why))));
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    out.extend(kinds.iter().map(|_| Err(unavailable(&why))));
+                }
+            }
+        }
+        out
+    }
+
     async fn health(&self) -> Result<(), StoreError> {
         self.client
             .health()
@@ -202,6 +252,102 @@ impl Store for HttpStore {
     fn describe(&self) -> String {
         format!("http: {}", self.base)
     }
+}
+
+fn unavailable(why: &str) -> GateError {
+    GateError::Store(StoreError::Unavailable(why.to_owned()))
+}
+
+/// `op` as an item of `POST /v1/batch`. A claim without an owner gets a fresh one unless
+/// `ownerless_as_is`, for the reason [`HttpStore`]'s field gives.
+fn batch_item(id: &RecordId, op: ValidOp, ownerless_as_is: bool) -> Value {
+    let mut item =
+        json!({"op": op.name(), "namespace": id.namespace.as_str(), "key": id.key.as_str()});
+    let mut put = |field: &str, value: Value| {
+        item[field] = value;
+    };
+    match op.into_op() {
+        Op::Claim {
+            ttl_ms,
+            lease_ms,
+            fingerprint,
+            owner,
+        } => {
+            put("ttl_ms", ttl_ms.into());
+            put("lease_ms", lease_ms.into());
+            if let Some(f) = fingerprint {
+                put("fingerprint", f.into());
+            }
+            match owner {
+                Some(o) => put("owner", o.into()),
+                None if !ownerless_as_is => put(
+                    "owner",
+                    format!("client-{}", Token::generate().as_str()).into(),
+                ),
+                None => {}
+            }
+        }
+        Op::Complete {
+            token,
+            result,
+            ttl_ms,
+        } => {
+            put("token", token.as_str().into());
+            if let Some(r) = result {
+                put("result", r);
+            }
+            if let Some(t) = ttl_ms {
+                put("ttl_ms", t.into());
+            }
+        }
+        Op::Release { token } => put("token", token.as_str().into()),
+        Op::Extend { token, lease_ms } => {
+            put("token", token.as_str().into());
+            put("lease_ms", lease_ms.into());
+        }
+        Op::Mark {
+            ttl_ms,
+            fingerprint,
+            result,
+        } => {
+            put("ttl_ms", ttl_ms.into());
+            if let Some(f) = fingerprint {
+                put("fingerprint", f.into());
+            }
+            if let Some(r) = result {
+                put("result", r);
+            }
+        }
+        Op::Get | Op::Forget => {}
+    }
+    item
+}
+
+/// One batch item's answer (API.md's success body of the op named `kind`, or its problem) as
+/// the outcome [`Store::apply`] gives for that op.
+fn batch_outcome(kind: &str, answer: Result<Value, Problem>) -> Result<Outcome, GateError> {
+    let body = match answer {
+        Ok(body) => body,
+        Err(p) if kind == "get" && p.code == "not_found" => return Ok(Outcome::Found(None)),
+        Err(p) => return Err(ClientError::from(p).into()),
+    };
+    let field = |name: &str| body.get(name).cloned().unwrap_or(Value::Null);
+    let decoded = match kind {
+        "claim" => serde_json::from_value(body.clone()).map(Outcome::Claimed),
+        "mark" => serde_json::from_value(body.clone()).map(Outcome::Marked),
+        "complete" => serde_json::from_value(field("record")).map(Outcome::Completed),
+        "release" => Ok(Outcome::Released),
+        "extend" => {
+            serde_json::from_value(field("lease_expires_at_ms")).map(|lease_expires_at_ms| {
+                Outcome::Extended {
+                    lease_expires_at_ms,
+                }
+            })
+        }
+        "get" => serde_json::from_value(body.clone()).map(|r| Outcome::Found(Some(r))),
+        _ => serde_json::from_value(field("deleted")).map(Outcome::Forgotten),
+    };
+    decoded.map_err(|e| unavailable(&format!("unexpected {kind} answer from the server: {e}")))
 }
 
 #[cfg(test)]

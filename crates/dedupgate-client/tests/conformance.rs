@@ -39,3 +39,93 @@ async fn http_store_without_retries_passes_the_conformance_suite() {
 async fn http_store_with_the_clis_retries_passes_the_conformance_suite() {
     passes(HttpStoreOptions::default()).await;
 }
+
+/// Every op kind in one `apply_batch`, each answer decoded as `apply` decodes it: the suite's
+/// batches hold claims and marks only.
+async fn every_op_in_one_batch(options: HttpStoreOptions, with_release: bool) {
+    use dedupgate_core::{Claim, ClaimOptions, CompleteOptions, GateError, Mark, MarkOptions};
+    use dedupgate_core::{Outcome, RecordId, State, Store, Token, ValidOp};
+
+    let clock = ManualClock::new(1_764_000_000_000);
+    let (url, _stop) = server_over_memory(&clock).await;
+    let store = HttpStore::new(&url, options).unwrap();
+    let id = |k: &str| RecordId::new("batch", k).unwrap();
+    let claim = || ValidOp::claim(ClaimOptions::default(), Default::default()).unwrap();
+    let mut tokens = Vec::new();
+    for k in ["a", "b", "c"] {
+        match store.apply(id(k), claim()).await.unwrap() {
+            Outcome::Claimed(Claim::New(lease)) => tokens.push(lease.token),
+            other => panic!("{k}: {other:?}"),
+        }
+    }
+    let complete = CompleteOptions {
+        result: Some(serde_json::json!({"x": 1})),
+        ..Default::default()
+    };
+    let mark = || ValidOp::mark(MarkOptions::default(), Default::default()).unwrap();
+    let mut ops = vec![
+        (
+            id("a"),
+            ValidOp::complete(tokens[0].clone(), complete).unwrap(),
+        ),
+        (id("b"), ValidOp::extend(tokens[1].clone(), 5_000).unwrap()),
+        (id("d"), mark()),
+        (id("d"), mark()),
+        (id("a"), ValidOp::get()),
+        (id("zz"), ValidOp::get()),
+        (id("e"), claim()),
+        (id("e"), claim()),
+        (
+            id("b"),
+            ValidOp::complete(Token::new("not-the-token"), Default::default()).unwrap(),
+        ),
+        (id("a"), ValidOp::forget()),
+        (id("a"), ValidOp::forget()),
+    ];
+    if with_release {
+        ops.push((id("c"), ValidOp::release(tokens[2].clone()).unwrap()));
+    }
+    let answers = store.apply_batch(ops).await;
+    let mut answers = answers.into_iter();
+    let mut next = || answers.next().expect("one answer per op");
+    match next() {
+        Ok(Outcome::Completed(r)) => {
+            assert_eq!(r.state, State::Completed);
+            assert_eq!(r.result, Some(serde_json::json!({"x": 1})));
+        }
+        other => panic!("complete: {other:?}"),
+    }
+    assert!(
+        matches!(next(), Ok(Outcome::Extended { lease_expires_at_ms }) if lease_expires_at_ms == 1_764_000_000_000 + 5_000)
+    );
+    assert!(matches!(next(), Ok(Outcome::Marked(Mark::New { .. }))));
+    assert!(matches!(
+        next(),
+        Ok(Outcome::Marked(Mark::Duplicate { .. }))
+    ));
+    assert!(matches!(next(), Ok(Outcome::Found(Some(r))) if r.state == State::Completed));
+    assert!(matches!(next(), Ok(Outcome::Found(None))));
+    assert!(matches!(next(), Ok(Outcome::Claimed(Claim::New(_)))));
+    assert!(matches!(
+        next(),
+        Ok(Outcome::Claimed(Claim::Duplicate { .. }))
+    ));
+    assert!(matches!(next(), Err(GateError::LeaseLost)));
+    assert!(matches!(next(), Ok(Outcome::Forgotten(true))));
+    assert!(matches!(next(), Ok(Outcome::Forgotten(false))));
+    if with_release {
+        assert!(matches!(next(), Ok(Outcome::Released)));
+        assert!(matches!(
+            store.apply(id("c"), claim()).await,
+            Ok(Outcome::Claimed(Claim::New(_)))
+        ));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_every_op_is_answered_as_each_op_alone() {
+    every_op_in_one_batch(HttpStoreOptions::without_retries(), true).await;
+    every_op_in_one_batch(HttpStoreOptions::default(), false).await;
+    // With retries a release sends the batch op by op; the answers are the same.
+    every_op_in_one_batch(HttpStoreOptions::default(), true).await;
+}
