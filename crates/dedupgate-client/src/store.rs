@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dedupgate_core::error::chain_text;
 use dedupgate_core::{
     ClaimOptions, GateError, Op, Outcome, RecordId, Store, StoreError, Token, ValidOp,
     BATCH_OPS_MAX,
@@ -94,11 +95,12 @@ impl From<Problem> for ClientError {
 
 impl From<ClientError> for GateError {
     /// An answer the core defines stays itself; any other failure (a transport error, an
-    /// answer the core has no word for) is unavailable: the outcome is unknown.
+    /// answer the core has no word for) is unavailable: the outcome is unknown. Its detail is
+    /// the client's message with its causes, as a caller of the [`Client`] would print it.
     fn from(e: ClientError) -> Self {
         match e {
             ClientError::Gate(g) => g,
-            other => GateError::Store(StoreError::Unavailable(other.to_string())),
+            other => GateError::Store(StoreError::Unavailable(chain_text(&other))),
         }
     }
 }
@@ -224,8 +226,8 @@ impl Store for HttpStore {
                     out.extend(kinds.iter().map(|_| Err(unavailable(&why))));
                 }
                 Err(e) => {
-                    let why = e.to_string();
-                    out.extend(kinds.iter().map(|_| Err(unavailable(&why))));
+                    let failed = GateError::from(e);
+                    out.extend(kinds.iter().map(|_| Err(same_error(&failed))));
                 }
             }
         }
@@ -256,6 +258,18 @@ impl Store for HttpStore {
 
 fn unavailable(why: &str) -> GateError {
     GateError::Store(StoreError::Unavailable(why.to_owned()))
+}
+
+/// `e` again, for each op of a batch whose request failed as a whole (a [`GateError`] is not
+/// `Clone`): each op gets the answer [`Store::apply`] would have given it.
+fn same_error(e: &GateError) -> GateError {
+    match e {
+        GateError::Invalid(invalid) => GateError::Invalid(invalid.clone()),
+        GateError::LeaseLost => GateError::LeaseLost,
+        GateError::FingerprintMismatch => GateError::FingerprintMismatch,
+        GateError::Store(StoreError::Unavailable(why)) => unavailable(why),
+        other => unavailable(&other.to_string()),
+    }
 }
 
 /// `op` as an item of `POST /v1/batch`. A claim without an owner gets a fresh one unless
