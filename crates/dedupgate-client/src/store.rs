@@ -108,6 +108,13 @@ impl From<ClientError> for GateError {
 #[async_trait]
 impl Store for HttpStore {
     async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
+        // Only a batch item leaves a claim's owner out (the typed claim names one).
+        if self.ownerless_as_is && matches!(*op, Op::Claim { owner: None, .. }) {
+            let mut answers = self.apply_batch(vec![(id, op)]).await;
+            return answers
+                .pop()
+                .unwrap_or_else(|| Err(unavailable("the server answered no item to a claim")));
+        }
         let (ns, key) = (id.namespace.to_string(), id.key.to_string());
         let c = &self.client;
         match op.into_op() {
@@ -116,7 +123,7 @@ impl Store for HttpStore {
                 lease_ms,
                 fingerprint,
                 owner,
-            } if owner.is_some() || !self.ownerless_as_is => Ok(Outcome::Claimed(
+            } => Ok(Outcome::Claimed(
                 c.claim(
                     &ns,
                     &key,
@@ -129,30 +136,6 @@ impl Store for HttpStore {
                 )
                 .await?,
             )),
-            // The typed claim adds an owner when none is given; a batch item is sent as it is.
-            Op::Claim {
-                ttl_ms,
-                lease_ms,
-                fingerprint,
-                // None: the arm above takes every claim with an owner.
-                owner: _,
-            } => {
-                let mut item = serde_json::json!({"op": "claim", "namespace": ns, "key": key,
-                    "ttl_ms": ttl_ms, "lease_ms": lease_ms});
-                if let Some(f) = fingerprint {
-                    item["fingerprint"] = f.into();
-                }
-                let mut items = c.batch(vec![item]).await?;
-                match items.pop() {
-                    Some(Ok(v)) => serde_json::from_value(v)
-                        .map(Outcome::Claimed)
-                        .map_err(|e| GateError::Store(StoreError::Corrupt(e.to_string()))),
-                    Some(Err(p)) => Err(ClientError::from(p).into()),
-                    None => Err(GateError::Store(StoreError::Corrupt(
-                        "empty batch answer".into(),
-                    ))),
-                }
-            }
             Op::Complete {
                 token,
                 result,
