@@ -1,5 +1,6 @@
-//! Where the CLI's gate lives: a STORE opened in this process, or a dedupgate server reached
-//! with the client crate. Either way the core decides; this module only carries calls.
+//! Where the CLI's gate lives: one STORE, opened in this process through dedupgate-stores. A
+//! server given with `--server URL` is the `http://` store of that URL, so every command talks
+//! to it as to any other store, and the core decides either way.
 //!
 //! The embedded store locks its directory for one process. A cron gate must let a second
 //! `run` of the same key see the first one's claim while the first is still running, so for
@@ -9,17 +10,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[cfg(feature = "http-client")]
-use anyhow::Context;
 use anyhow::{anyhow, bail};
-#[cfg(feature = "http-client")]
-use dedupgate_client::{Client, ClientError, MarkOptions};
+use dedupgate_core::error::chain_text;
 use dedupgate_core::{
-    Claim, ClaimOptions, CompleteOptions, Gate, GateError, KeySet, Mark, Outcome, Record, RecordId,
-    State, Token, ValidOp,
+    Claim, ClaimOptions, CompleteOptions, Gate, GateError, InvalidInput, KeySet, Mark, Outcome,
+    Record, RecordId, State, StoreError, Token, ValidOp,
 };
-#[cfg(feature = "http-client")]
-use serde_json::json;
 use serde_json::Value;
 
 use dedupgate_stores::{self as store_spec, EmbeddedOptions, StoreSpec, WithKeySet};
@@ -29,23 +25,20 @@ const LOCK_RETRY_MS: u64 = 25;
 /// How long a wait for a locked directory goes before it says so on stderr.
 const LOCK_NOTICE_AFTER: Duration = Duration::from_secs(1);
 
-/// A gate reached in-process or over HTTP. Cheap to clone.
+/// The CLI's gate over one store. Cheap to clone.
 #[derive(Clone)]
-pub enum Backend {
-    /// A store opened in this process.
-    Local {
-        /// The store's spec (to reopen it per operation).
-        spec: StoreSpec,
-        /// The open store, unless it is opened per operation.
-        gate: Option<Gate>,
-        /// The same store's key set, when it keeps one and is held open.
-        key_set: Option<Arc<dyn KeySet>>,
-        /// Longest wait for a locked directory.
-        lock_wait_ms: u64,
-    },
-    /// A dedupgate server.
-    #[cfg(feature = "http-client")]
-    Remote(Client),
+pub struct Backend {
+    /// The store's spec (to reopen it per operation).
+    spec: StoreSpec,
+    /// The open store, unless it is opened per operation.
+    gate: Option<Gate>,
+    /// The same store's key set, when it keeps one and is held open.
+    key_set: Option<Arc<dyn KeySet>>,
+    /// Longest wait for a locked directory.
+    lock_wait_ms: u64,
+    /// Given with `--server`: messages call it "server" and say its failures as they read
+    /// when the CLI called the server with the client directly ([`Backend::failed`]).
+    server: bool,
 }
 
 /// Opens `spec`, waiting up to `lock_wait_ms` while another process holds an embedded store's
@@ -106,23 +99,32 @@ impl Backend {
         lock_wait_ms: u64,
         embedded: EmbeddedOptions,
     ) -> anyhow::Result<Self> {
-        #[cfg(feature = "http-client")]
-        if let Some(url) = server {
-            return Ok(Backend::Remote(
-                Client::new(url).with_context(|| format!("server {url}"))?,
-            ));
-        }
         #[cfg(not(feature = "http-client"))]
         if server.is_some() {
             bail!("--server needs dedupgate built with the \"http-client\" feature");
         }
-        let spec = spec.unwrap_or_default();
-        let (store, key_set) = open_waiting(&spec, lock_wait_ms, &embedded).await?;
-        Ok(Backend::Local {
+        let (spec, opened) = match server {
+            // No directory to wait for: the store is the client, which sends nothing yet.
+            Some(url) => {
+                let spec = StoreSpec::Http(url.to_owned());
+                let opened = store_spec::open_with_key_set(&spec, embedded)
+                    .await
+                    .map_err(|e| unusable_server(url, &e))?;
+                (spec, opened)
+            }
+            None => {
+                let spec = spec.unwrap_or_default();
+                let opened = open_waiting(&spec, lock_wait_ms, &embedded).await?;
+                (spec, opened)
+            }
+        };
+        let (store, key_set) = opened;
+        Ok(Backend {
             spec,
             gate: Some(Gate::from_arc(store)),
             key_set,
             lock_wait_ms,
+            server: server.is_some(),
         })
     }
 
@@ -138,11 +140,12 @@ impl Backend {
         if server.is_none() && holds_embedded(&spec_or_default) {
             // Open once now so a bad directory fails before anything runs.
             drop(open_waiting(&spec_or_default, lock_wait_ms, &EmbeddedOptions::default()).await?);
-            return Ok(Backend::Local {
+            return Ok(Backend {
                 spec: spec_or_default,
                 gate: None,
                 key_set: None,
                 lock_wait_ms,
+                server: false,
             });
         }
         Self::open(spec, server, lock_wait_ms).await
@@ -150,41 +153,60 @@ impl Backend {
 
     /// The gate for one call: the held one, or a fresh open of the store.
     async fn gate(&self) -> anyhow::Result<Gate> {
-        match self {
-            Backend::Local {
-                gate: Some(gate), ..
-            } => Ok(gate.clone()),
-            Backend::Local {
-                spec,
-                gate: None,
-                lock_wait_ms,
-                ..
-            } => Ok(Gate::from_arc(
-                open_waiting(spec, *lock_wait_ms, &EmbeddedOptions::default())
+        match &self.gate {
+            Some(gate) => Ok(gate.clone()),
+            None => Ok(Gate::from_arc(
+                open_waiting(&self.spec, self.lock_wait_ms, &EmbeddedOptions::default())
                     .await?
                     .0,
             )),
-            #[cfg(feature = "http-client")]
-            Backend::Remote(_) => Err(anyhow!("no local gate for a server backend")),
         }
     }
 
     /// The key set of the store this backend holds open, if it keeps one (an embedded store).
     pub fn key_set(&self) -> Option<&Arc<dyn KeySet>> {
-        match self {
-            Backend::Local { key_set, .. } => key_set.as_ref(),
-            #[cfg(feature = "http-client")]
-            Backend::Remote(_) => None,
+        self.key_set.as_ref()
+    }
+
+    /// `e` as the command reports it. A server's failures read as they did when the CLI called
+    /// it with the client directly, so that its messages did not change when the server became
+    /// a store: the client's own failure (transport, protocol, a refusal the core has no code
+    /// for) without the store's prefix, and a request the core refused before sending it as
+    /// the server refuses it.
+    fn failed(&self, e: GateError) -> anyhow::Error {
+        if !self.server {
+            return e.into();
+        }
+        match e {
+            GateError::Store(StoreError::Unavailable(why)) => anyhow!(why),
+            GateError::Invalid(invalid) if invalid.field != "request" => {
+                let said = GateError::Invalid(invalid).to_string();
+                GateError::Invalid(InvalidInput::new("request", said)).into()
+            }
+            e => e.into(),
+        }
+    }
+
+    /// Why one operation of a ledger call was refused. A server's reads as its problem's code
+    /// and detail, as when the ledger sent its batches with the client directly.
+    fn refusal(&self, e: GateError) -> String {
+        if !self.server {
+            return e.to_string();
+        }
+        let code = e.code();
+        match e {
+            GateError::Invalid(invalid) if invalid.field == "request" => {
+                format!("{code}: {}", invalid.reason)
+            }
+            GateError::Store(StoreError::Unavailable(why)) => format!("{code}: {why}"),
+            e => format!("{code}: {e}"),
         }
     }
 
     /// Claims a key.
     pub async fn claim(&self, ns: &str, key: &str, opts: ClaimOptions) -> anyhow::Result<Claim> {
-        match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => Ok(c.claim(ns, key, opts).await?),
-            _ => Ok(self.gate().await?.claim(ns, key, opts).await?),
-        }
+        let gate = self.gate().await?;
+        gate.claim(ns, key, opts).await.map_err(|e| self.failed(e))
     }
 
     /// Completes a claim, storing `result`.
@@ -195,29 +217,24 @@ impl Backend {
         token: &Token,
         result: Option<Value>,
     ) -> anyhow::Result<Record> {
-        match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => Ok(c.complete(ns, key, token, result, None).await?),
-            _ => Ok(self.gate().await?.complete(ns, key, token, result).await?),
-        }
+        let gate = self.gate().await?;
+        gate.complete(ns, key, token, result)
+            .await
+            .map_err(|e| self.failed(e))
     }
 
     /// Releases a claim.
     pub async fn release(&self, ns: &str, key: &str, token: &Token) -> anyhow::Result<()> {
-        match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => Ok(c.release(ns, key, token).await?),
-            _ => Ok(self.gate().await?.release(ns, key, token).await?),
-        }
+        let gate = self.gate().await?;
+        gate.release(ns, key, token)
+            .await
+            .map_err(|e| self.failed(e))
     }
 
     /// Removes a key's record (over HTTP: an admin call); true when a live one went.
     pub async fn forget(&self, ns: &str, key: &str) -> anyhow::Result<bool> {
-        match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => Ok(c.forget(ns, key).await?),
-            _ => Ok(self.gate().await?.forget(ns, key).await?),
-        }
+        let gate = self.gate().await?;
+        gate.forget(ns, key).await.map_err(|e| self.failed(e))
     }
 
     /// Renews a lease; the new lease end.
@@ -228,11 +245,10 @@ impl Backend {
         token: &Token,
         lease_ms: u64,
     ) -> anyhow::Result<u64> {
-        match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => Ok(c.extend(ns, key, token, lease_ms).await?),
-            _ => Ok(self.gate().await?.extend(ns, key, token, lease_ms).await?),
-        }
+        let gate = self.gate().await?;
+        gate.extend(ns, key, token, lease_ms)
+            .await
+            .map_err(|e| self.failed(e))
     }
 
     /// Marks a key completed before running.
@@ -243,32 +259,17 @@ impl Backend {
         ttl_ms: u64,
         result: Option<Value>,
     ) -> anyhow::Result<Mark> {
-        match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => Ok(c
-                .mark(
-                    ns,
-                    key,
-                    MarkOptions {
-                        ttl_ms: Some(ttl_ms),
-                        fingerprint: None,
-                        result,
-                    },
-                )
-                .await?),
-            _ => Ok(self
-                .gate()
-                .await?
-                .mark(ns, key, Some(ttl_ms), None, result)
-                .await?),
-        }
+        let gate = self.gate().await?;
+        gate.mark(ns, key, Some(ttl_ms), None, result)
+            .await
+            .map_err(|e| self.failed(e))
     }
 
-    /// One ledger round trip (one group commit on the embedded store): first completes the
-    /// claims in `completes` (keeping their records `ttl_ms` from now), then claims or marks
-    /// each of `keys`, in that order, so a key completed here is settled before any key of the
-    /// same call is decided. Answers one item per completion and one per key, each the
-    /// refusal's reason on failure.
+    /// One ledger round trip (one group commit on the embedded store, one `POST /v1/batch` per
+    /// 10,000 operations on a server): first completes the claims in `completes` (keeping their
+    /// records `ttl_ms` from now), then claims or marks each of `keys`, in that order, so a key
+    /// completed here is settled before any key of the same call is decided. Answers one item
+    /// per completion and one per key, each the refusal's reason on failure.
     pub async fn ledger_call(
         &self,
         ns: &str,
@@ -278,94 +279,54 @@ impl Backend {
         write: &LedgerWrite,
     ) -> anyhow::Result<LedgerAnswers> {
         let n = completes.len() + keys.len();
-        let answers: Vec<Result<Fresh, String>> = match self {
-            #[cfg(feature = "http-client")]
-            Backend::Remote(c) => {
-                let mut ops = Vec::with_capacity(n);
-                for (k, t) in completes {
-                    ops.push(json!({"op": "complete", "namespace": ns, "key": k, "token": t.as_str(), "ttl_ms": ttl_ms}));
-                }
-                for k in keys {
-                    ops.push(match write {
-                        LedgerWrite::Claim { lease_ms, owner } => json!({"op": "claim", "namespace": ns, "key": k, "ttl_ms": ttl_ms, "lease_ms": lease_ms, "owner": owner}),
-                        LedgerWrite::Mark => json!({"op": "mark", "namespace": ns, "key": k, "ttl_ms": ttl_ms}),
-                    });
-                }
-                let mut out = Vec::with_capacity(n);
-                for (i, a) in c.batch(ops).await?.into_iter().enumerate() {
-                    out.push(match a {
-                        Err(p) => Err(format!("{}: {}", p.code, p.detail)),
-                        Ok(_) if i < completes.len() => Ok(Fresh::Done),
-                        Ok(v) => match write {
-                            LedgerWrite::Claim { .. } => match serde_json::from_value::<Claim>(v) {
-                                Ok(Claim::New(lease)) => Ok(Fresh::New(Some(lease.token))),
-                                Ok(Claim::Duplicate { record }) => Ok(Fresh::known(&record)),
-                                Err(e) => bail!("unexpected claim answer from the server: {e}"),
-                            },
-                            LedgerWrite::Mark => match serde_json::from_value::<Mark>(v) {
-                                Ok(Mark::New { .. }) => Ok(Fresh::New(None)),
-                                Ok(Mark::Duplicate { record }) => Ok(Fresh::known(&record)),
-                                Err(e) => bail!("unexpected mark answer from the server: {e}"),
-                            },
-                        },
-                    });
-                }
-                out
-            }
-            _ => {
-                let gate = self.gate().await?;
-                let mut ops = Vec::with_capacity(n);
-                for (k, t) in completes {
-                    let opts = CompleteOptions {
-                        result: None,
+        let gate = self.gate().await?;
+        let mut ops = Vec::with_capacity(n);
+        for (k, t) in completes {
+            let opts = CompleteOptions {
+                result: None,
+                ttl_ms: Some(ttl_ms),
+            };
+            ops.push((
+                RecordId::new(ns, k.as_str())?,
+                ValidOp::complete(t.clone(), opts)?,
+            ));
+        }
+        for k in keys {
+            let op = match write {
+                LedgerWrite::Claim { lease_ms, owner } => {
+                    let opts = ClaimOptions {
                         ttl_ms: Some(ttl_ms),
+                        lease_ms: Some(*lease_ms),
+                        fingerprint: None,
+                        owner: Some(owner.clone()),
                     };
-                    ops.push((
-                        RecordId::new(ns, k.as_str())?,
-                        ValidOp::complete(t.clone(), opts)?,
-                    ));
+                    ValidOp::claim(opts, gate.defaults())?
                 }
-                for k in keys {
-                    let op = match write {
-                        LedgerWrite::Claim { lease_ms, owner } => {
-                            let opts = ClaimOptions {
-                                ttl_ms: Some(ttl_ms),
-                                lease_ms: Some(*lease_ms),
-                                fingerprint: None,
-                                owner: Some(owner.clone()),
-                            };
-                            ValidOp::claim(opts, gate.defaults())?
-                        }
-                        LedgerWrite::Mark => {
-                            let opts = dedupgate_core::MarkOptions {
-                                ttl_ms: Some(ttl_ms),
-                                ..Default::default()
-                            };
-                            ValidOp::mark(opts, gate.defaults())?
-                        }
+                LedgerWrite::Mark => {
+                    let opts = dedupgate_core::MarkOptions {
+                        ttl_ms: Some(ttl_ms),
+                        ..Default::default()
                     };
-                    ops.push((RecordId::new(ns, k.as_str())?, op));
+                    ValidOp::mark(opts, gate.defaults())?
                 }
-                gate.store()
-                    .apply_batch(ops)
-                    .await
-                    .into_iter()
-                    .map(|a| match a {
-                        Ok(Outcome::Completed(_)) => Ok(Fresh::Done),
-                        Ok(Outcome::Claimed(Claim::New(lease))) => {
-                            Ok(Fresh::New(Some(lease.token)))
-                        }
-                        Ok(Outcome::Marked(Mark::New { .. })) => Ok(Fresh::New(None)),
-                        Ok(Outcome::Claimed(Claim::Duplicate { record }))
-                        | Ok(Outcome::Marked(Mark::Duplicate { record })) => {
-                            Ok(Fresh::known(&record))
-                        }
-                        Ok(other) => Err(format!("unexpected outcome {}", other.label())),
-                        Err(e) => Err(e.to_string()),
-                    })
-                    .collect()
-            }
-        };
+            };
+            ops.push((RecordId::new(ns, k.as_str())?, op));
+        }
+        let answers: Vec<Result<Fresh, String>> = gate
+            .store()
+            .apply_batch(ops)
+            .await
+            .into_iter()
+            .map(|a| match a {
+                Ok(Outcome::Completed(_)) => Ok(Fresh::Done),
+                Ok(Outcome::Claimed(Claim::New(lease))) => Ok(Fresh::New(Some(lease.token))),
+                Ok(Outcome::Marked(Mark::New { .. })) => Ok(Fresh::New(None)),
+                Ok(Outcome::Claimed(Claim::Duplicate { record }))
+                | Ok(Outcome::Marked(Mark::Duplicate { record })) => Ok(Fresh::known(&record)),
+                Ok(other) => Err(format!("unexpected outcome {}", other.label())),
+                Err(e) => Err(self.refusal(e)),
+            })
+            .collect();
         if answers.len() != n {
             bail!("the ledger answered {} of {n} operations", answers.len());
         }
@@ -383,41 +344,29 @@ impl Backend {
 
     /// Releases many claims (best effort, after a failure).
     pub async fn release_batch(&self, ns: &str, claims: &[(String, Token)]) {
+        let Ok(gate) = self.gate().await else {
+            return;
+        };
         // One batch per 5,000 claims (the API takes 10,000 ops), not a round trip per claim.
         // Best effort: a claim left held frees itself when its lease runs out.
         for chunk in claims.chunks(5_000) {
-            match self {
-                #[cfg(feature = "http-client")]
-                Backend::Remote(c) => {
-                    let ops = chunk
-                        .iter()
-                        .map(|(k, t)| json!({"op": "release", "namespace": ns, "key": k, "token": t.as_str()}))
-                        .collect();
-                    let _ = c.batch(ops).await;
-                }
-                _ => {
-                    let Ok(gate) = self.gate().await else {
-                        return;
-                    };
-                    let mut ops = Vec::with_capacity(chunk.len());
-                    for (k, t) in chunk {
-                        let id = RecordId::new(ns, k.as_str());
-                        if let (Ok(id), Ok(op)) = (id, ValidOp::release(t.clone())) {
-                            ops.push((id, op));
-                        }
-                    }
-                    let _ = gate.store().apply_batch(ops).await;
+            let mut ops = Vec::with_capacity(chunk.len());
+            for (k, t) in chunk {
+                let id = RecordId::new(ns, k.as_str());
+                if let (Ok(id), Ok(op)) = (id, ValidOp::release(t.clone())) {
+                    ops.push((id, op));
                 }
             }
+            let _ = gate.store().apply_batch(ops).await;
         }
     }
 
     /// What the backend is, for messages.
     pub fn describe(&self) -> String {
-        match self {
-            Backend::Local { spec, .. } => describe(spec),
-            #[cfg(feature = "http-client")]
-            Backend::Remote(_) => "server".to_owned(),
+        if self.server {
+            "server".to_owned()
+        } else {
+            describe(&self.spec)
         }
     }
 }
@@ -480,16 +429,15 @@ pub struct LedgerAnswers {
 
 /// True when the error is the gate's "lease lost".
 pub fn is_lease_lost(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
-        #[cfg(feature = "http-client")]
-        if matches!(
-            c.downcast_ref::<ClientError>(),
-            Some(ClientError::Gate(GateError::LeaseLost))
-        ) {
-            return true;
-        }
-        matches!(c.downcast_ref::<GateError>(), Some(GateError::LeaseLost))
-    })
+    e.chain()
+        .any(|c| matches!(c.downcast_ref::<GateError>(), Some(GateError::LeaseLost)))
+}
+
+/// A `--server` URL the client cannot use, said as before the server became a store: the URL,
+/// then the client's reason.
+fn unusable_server(url: &str, e: &store_spec::OpenStoreError) -> anyhow::Error {
+    let why = std::error::Error::source(e).map_or_else(|| e.to_string(), chain_text);
+    anyhow!("server {url}: {why}")
 }
 
 /// Why a store did not open (the error names the store), with what to do when another process
