@@ -8,15 +8,21 @@
 //! and detail on stderr and exits 1; when the gate could not be asked or gave no answer
 //! (`unavailable`, a server or store that cannot be reached or opened) the exit is
 //! [`EXIT_NOT_DECIDED`], so a script never takes "could not ask" for "no record".
+//!
+//! `--server` keeps the client's typed calls rather than the server as an `http://` store: an
+//! op leaves the server's own defaults out (`--ttl` and `--lease` say "[default: the
+//! server's]", a [`ValidOp`] always holds a duration), and a refusal the core has no code for
+//! (`forbidden`, `unauthorized`) is the gate's answer, exit 1, where the store says
+//! `unavailable`.
 
 use std::process::ExitCode;
 
 use anyhow::Context;
 #[cfg(feature = "http-client")]
-use dedupgate_client::{Client, ClientError, MarkOptions};
+use dedupgate_client::{Client, ClientError};
 use dedupgate_core::{
-    ClaimOptions, CompleteOptions, Gate, GateError, KeySet, KeySetCall, Namespace, Outcome,
-    RecordId, Store, Token, ValidOp,
+    ClaimOptions, CompleteOptions, Defaults, Gate, GateError, KeySet, KeySetCall, MarkOptions,
+    Namespace, Outcome, RecordId, Request, Store, Token, ValidOp,
 };
 use dedupgate_server::parse_duration_ms;
 use serde_json::{json, Value};
@@ -165,36 +171,10 @@ fn json_arg(v: &Option<String>) -> anyhow::Result<Option<Value>> {
 /// An operation with its flags parsed, ready for either target.
 struct Call {
     target: Target,
-    op: ApiOp,
+    /// The operation, as the core reads a request before checking it.
+    op: Request,
     /// `-e`: a duplicate exits [`EXIT_DUPLICATE`].
     exit_status: bool,
-}
-
-enum ApiOp {
-    Claim(ClaimOptions),
-    Complete {
-        token: Token,
-        result: Option<Value>,
-        ttl_ms: Option<u64>,
-    },
-    Release(Token),
-    Extend {
-        token: Token,
-        lease_ms: u64,
-    },
-    Mark(MarkOptions),
-    Get,
-    Forget,
-}
-
-/// A mark's options, in the shape of the client crate's (which a build without `http-client`
-/// does not have).
-#[cfg(not(feature = "http-client"))]
-#[derive(Clone, Debug, Default)]
-struct MarkOptions {
-    ttl_ms: Option<u64>,
-    fingerprint: Option<String>,
-    result: Option<Value>,
 }
 
 fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
@@ -209,7 +189,7 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         } => Call {
             target,
             exit_status,
-            op: ApiOp::Claim(ClaimOptions {
+            op: Request::Claim(ClaimOptions {
                 ttl_ms: duration("ttl", &ttl)?,
                 lease_ms: duration("lease", &lease)?,
                 fingerprint,
@@ -224,16 +204,20 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         } => Call {
             target,
             exit_status: false,
-            op: ApiOp::Complete {
+            op: Request::Complete {
                 token: Token::new(token),
-                result: json_arg(&result)?,
-                ttl_ms: duration("ttl", &ttl)?,
+                opts: CompleteOptions {
+                    result: json_arg(&result)?,
+                    ttl_ms: duration("ttl", &ttl)?,
+                },
             },
         },
         ApiCommand::Release { target, token } => Call {
             target,
             exit_status: false,
-            op: ApiOp::Release(Token::new(token)),
+            op: Request::Release {
+                token: Token::new(token),
+            },
         },
         ApiCommand::Extend {
             target,
@@ -242,7 +226,7 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         } => Call {
             target,
             exit_status: false,
-            op: ApiOp::Extend {
+            op: Request::Extend {
                 token: Token::new(token),
                 lease_ms: parse_duration_ms(&lease).map_err(|e| anyhow::anyhow!("--lease: {e}"))?,
             },
@@ -256,7 +240,7 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         } => Call {
             target,
             exit_status,
-            op: ApiOp::Mark(MarkOptions {
+            op: Request::Mark(MarkOptions {
                 ttl_ms: duration("ttl", &ttl)?,
                 fingerprint,
                 result: json_arg(&result)?,
@@ -265,12 +249,12 @@ fn parse(cmd: ApiCommand) -> anyhow::Result<Call> {
         ApiCommand::Get { target } => Call {
             target,
             exit_status: false,
-            op: ApiOp::Get,
+            op: Request::Get,
         },
         ApiCommand::Forget { target } => Call {
             target,
             exit_status: false,
-            op: ApiOp::Forget,
+            op: Request::Forget,
         },
     })
 }
@@ -304,9 +288,12 @@ pub fn run(cmd: ApiCommand) -> anyhow::Result<ExitCode> {
     let target = match (&call.target.server, &call.target.store) {
         #[cfg(feature = "http-client")]
         (Some(url), None) => Client::new(url).map(To::Server).map_err(|e| e.to_string()),
+        // A well-formed call this build cannot make: "could not ask", as an `http://` --store
+        // that this build cannot open (docs/cli.md), not a usage error.
         #[cfg(not(feature = "http-client"))]
         (Some(_), None) => {
-            Err("--server needs dedupgate built with the \"http-client\" feature".to_owned())
+            eprintln!("dedupgate: --server needs dedupgate built with the \"http-client\" feature");
+            return Ok(ExitCode::from(EXIT_NOT_DECIDED));
         }
         (None, Some(spec)) => spec
             .parse()
@@ -421,45 +408,43 @@ async fn via_server(mut client: Client, call: &Call) -> Result<Value, Failure> {
     }
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
     Ok(match &call.op {
-        ApiOp::Claim(opts) => to_json(
+        Request::Claim(opts) => to_json(
             &client
                 .claim(ns, key, opts.clone())
                 .await
                 .map_err(from_client)?,
         ),
-        ApiOp::Complete {
-            token,
-            result,
-            ttl_ms,
-        } => {
+        Request::Complete { token, opts } => {
             let record = client
-                .complete(ns, key, token, result.clone(), *ttl_ms)
+                .complete(ns, key, token, opts.result.clone(), opts.ttl_ms)
                 .await
                 .map_err(from_client)?;
             json!({ "record": record })
         }
-        ApiOp::Release(token) => {
+        Request::Release { token } => {
             client.release(ns, key, token).await.map_err(from_client)?;
             json!({"released": true})
         }
-        ApiOp::Extend { token, lease_ms } => {
+        Request::Extend { token, lease_ms } => {
             let at = client
                 .extend(ns, key, token, *lease_ms)
                 .await
                 .map_err(from_client)?;
             json!({ "lease_expires_at_ms": at })
         }
-        ApiOp::Mark(opts) => to_json(
-            &client
-                .mark(ns, key, opts.clone())
-                .await
-                .map_err(from_client)?,
-        ),
-        ApiOp::Get => match client.get(ns, key).await.map_err(from_client)? {
+        Request::Mark(opts) => {
+            let opts = dedupgate_client::MarkOptions {
+                ttl_ms: opts.ttl_ms,
+                fingerprint: opts.fingerprint.clone(),
+                result: opts.result.clone(),
+            };
+            to_json(&client.mark(ns, key, opts).await.map_err(from_client)?)
+        }
+        Request::Get => match client.get(ns, key).await.map_err(from_client)? {
             Some(record) => to_json(&record),
             None => return Err(not_found()),
         },
-        ApiOp::Forget => json!({"deleted": client.forget(ns, key).await.map_err(from_client)?}),
+        Request::Forget => json!({"deleted": client.forget(ns, key).await.map_err(from_client)?}),
     })
 }
 
@@ -467,63 +452,25 @@ async fn via_store(spec: StoreSpec, call: &Call) -> Result<Value, Failure> {
     let (store, key_set) = open_waiting(&spec, call.target.lock_wait, &EmbeddedOptions::default())
         .await
         .map_err(Failure::Other)?;
-    if let (ApiOp::Forget, Some(key_set)) = (&call.op, key_set) {
+    if let (Request::Forget, Some(key_set)) = (&call.op, key_set) {
         return forget_with_key_set(store, key_set.as_ref(), call).await;
     }
-    let gate = Gate::from_arc(store);
     let (ns, key) = (call.target.namespace.as_str(), call.target.key.as_str());
-    Ok(match &call.op {
-        ApiOp::Claim(opts) => to_json(&gate.claim(ns, key, opts.clone()).await.map_err(from_gate)?),
-        ApiOp::Complete {
-            token,
-            result,
-            ttl_ms,
-        } => {
-            // Gate::complete keeps the claim's expiry; a new ttl goes through the store's op.
-            let id = RecordId::new(ns, key).map_err(|e| from_gate(e.into()))?;
-            let opts = CompleteOptions {
-                result: result.clone(),
-                ttl_ms: *ttl_ms,
-            };
-            let op = ValidOp::complete(token.clone(), opts).map_err(|e| from_gate(e.into()))?;
-            match gate.store().apply(id, op).await.map_err(from_gate)? {
-                Outcome::Completed(record) => json!({ "record": record }),
-                other => {
-                    return Err(Failure::Other(anyhow::anyhow!(
-                        "store answered complete with {}",
-                        other.label()
-                    )))
-                }
-            }
-        }
-        ApiOp::Release(token) => {
-            gate.release(ns, key, token).await.map_err(from_gate)?;
-            json!({"released": true})
-        }
-        ApiOp::Extend { token, lease_ms } => {
-            let at = gate
-                .extend(ns, key, token, *lease_ms)
-                .await
-                .map_err(from_gate)?;
-            json!({ "lease_expires_at_ms": at })
-        }
-        ApiOp::Mark(opts) => to_json(
-            &gate
-                .mark(
-                    ns,
-                    key,
-                    opts.ttl_ms,
-                    opts.fingerprint.clone(),
-                    opts.result.clone(),
-                )
-                .await
-                .map_err(from_gate)?,
-        ),
-        ApiOp::Get => match gate.get(ns, key).await.map_err(from_gate)? {
-            Some(record) => to_json(&record),
-            None => return Err(not_found()),
-        },
-        ApiOp::Forget => json!({"deleted": gate.forget(ns, key).await.map_err(from_gate)?}),
+    let id = RecordId::new(ns, key).map_err(|e| from_gate(e.into()))?;
+    // The builders make every check and fill the defaults, as Gate's own calls do.
+    let op = ValidOp::from_request(call.op.clone(), Defaults::default())
+        .map_err(|e| from_gate(e.into()))?;
+    Ok(match store.apply(id, op).await.map_err(from_gate)? {
+        Outcome::Claimed(claim) => to_json(&claim),
+        Outcome::Completed(record) => json!({ "record": record }),
+        Outcome::Released => json!({"released": true}),
+        Outcome::Extended {
+            lease_expires_at_ms,
+        } => json!({ "lease_expires_at_ms": lease_expires_at_ms }),
+        Outcome::Marked(mark) => to_json(&mark),
+        Outcome::Found(Some(record)) => to_json(&record),
+        Outcome::Found(None) => return Err(not_found()),
+        Outcome::Forgotten(deleted) => json!({ "deleted": deleted }),
     })
 }
 
