@@ -450,19 +450,20 @@ impl Client {
     /// body or its problem. Claims without an owner are sent as they are (no owner is added), so
     /// give one if the batch may be retried.
     pub async fn batch(&self, ops: Vec<Value>) -> Result<Vec<Result<Value, Problem>>, ClientError> {
-        let answer = self.post("/v1/batch", json!({ "ops": ops })).await?;
-        let Some(Value::Array(items)) = answer.get("results").cloned() else {
-            return Err(ClientError::Protocol("batch answer has no results".into()));
-        };
-        items
-            .into_iter()
-            .map(|item| match item.get("error") {
-                Some(p) => serde_json::from_value(p.clone())
-                    .map(Err)
-                    .map_err(|e| ClientError::Protocol(format!("bad batch error item: {e}"))),
-                None => Ok(Ok(item)),
-            })
-            .collect()
+        self.batch_repeated(ops).await.0
+    }
+
+    /// [`Client::batch`], and whether the answer may be to a repeat of a batch that already
+    /// took effect (see [`Client::send`]): a release in it may then have freed its key before.
+    pub(crate) async fn batch_repeated(
+        &self,
+        ops: Vec<Value>,
+    ) -> (Result<Vec<Result<Value, Problem>>, ClientError>, bool) {
+        let body = json!({ "ops": ops });
+        let (answer, repeated) = self
+            .call_repeated(Method::POST, "/v1/batch", None, Some(body))
+            .await;
+        (answer.and_then(batch_items), repeated)
     }
 
     /// `GET /healthz`: Ok while the server's store answers.
@@ -471,6 +472,22 @@ impl Client {
             .await
             .map(|_| ())
     }
+}
+
+/// A batch answer's items: each its success body or its problem.
+fn batch_items(answer: Value) -> Result<Vec<Result<Value, Problem>>, ClientError> {
+    let Some(Value::Array(items)) = answer.get("results").cloned() else {
+        return Err(ClientError::Protocol("batch answer has no results".into()));
+    };
+    items
+        .into_iter()
+        .map(|item| match item.get("error") {
+            Some(p) => serde_json::from_value(p.clone())
+                .map(Err)
+                .map_err(|e| ClientError::Protocol(format!("bad batch error item: {e}"))),
+            None => Ok(Ok(item)),
+        })
+        .collect()
 }
 
 fn put_opt<T: serde::Serialize>(body: &mut Value, name: &str, value: Option<T>) {

@@ -172,12 +172,12 @@ impl Store for HttpStore {
     }
 
     /// One `POST /v1/batch` per [`BATCH_OPS_MAX`] ops instead of a request per op: the server
-    /// decides them in order, each atomically, sharing its store's commit. With retries on, a
-    /// batch holding a release goes op by op instead, because only the typed release knows
-    /// that `lease_lost` after a retry means its first try freed the key.
+    /// decides them in order, each atomically, sharing its store's commit. A release answered
+    /// `lease_lost` by a batch that was retried is looked up as the typed release does (its
+    /// first try may have freed the key); that look-up tells only when no other op of the
+    /// batch touches the key, so with retries on such a batch goes op by op instead.
     async fn apply_batch(&self, ops: Vec<(RecordId, ValidOp)>) -> Vec<Result<Outcome, GateError>> {
-        let releases = ops.iter().any(|(_, op)| matches!(**op, Op::Release { .. }));
-        if releases && !self.ownerless_as_is {
+        if !self.ownerless_as_is && a_release_shares_its_key(&ops) {
             let mut out = Vec::with_capacity(ops.len());
             for (id, op) in ops {
                 out.push(self.apply(id, op).await);
@@ -188,19 +188,26 @@ impl Store for HttpStore {
         let mut ops = ops.into_iter().peekable();
         while ops.peek().is_some() {
             let chunk: Vec<(RecordId, ValidOp)> = ops.by_ref().take(BATCH_OPS_MAX).collect();
-            let kinds: Vec<&'static str> = chunk.iter().map(|(_, op)| op.name()).collect();
+            let kinds: Vec<(&'static str, RecordId)> = chunk
+                .iter()
+                .map(|(id, op)| (op.name(), id.clone()))
+                .collect();
             let items = chunk
                 .into_iter()
                 .map(|(id, op)| batch_item(&id, op, self.ownerless_as_is))
                 .collect();
-            match self.client.batch(items).await {
-                Ok(answers) if answers.len() == kinds.len() => out.extend(
-                    kinds
-                        .into_iter()
-                        .zip(answers)
-                        .map(|(kind, answer)| batch_outcome(kind, answer)),
-                ),
-                Ok(answers) => {
+            match self.client.batch_repeated(items).await {
+                (Ok(answers), repeated) if answers.len() == kinds.len() => {
+                    for ((kind, id), answer) in kinds.into_iter().zip(answers) {
+                        out.push(match batch_outcome(kind, answer) {
+                            Err(GateError::LeaseLost) if repeated && kind == "release" => {
+                                self.released_before(&id).await
+                            }
+                            outcome => outcome,
+                        });
+                    }
+                }
+                (Ok(answers), _) => {
                     let why = format!(
                         "the server answered {} items to a batch of {}",
                         answers.len(),
@@ -208,7 +215,7 @@ impl Store for HttpStore {
                     );
                     out.extend(kinds.iter().map(|_| Err(unavailable(&why))));
                 }
-                Err(e) => {
+                (Err(e), _) => {
                     let failed = GateError::from(e);
                     out.extend(kinds.iter().map(|_| Err(same_error(&failed))));
                 }
@@ -237,6 +244,32 @@ impl Store for HttpStore {
     fn describe(&self) -> String {
         format!("http: {}", self.base)
     }
+}
+
+impl HttpStore {
+    /// The answer to a release that a retried batch answered `lease_lost`, as
+    /// [`Client::release`] gives it: released when no live record holds the key any more.
+    async fn released_before(&self, id: &RecordId) -> Result<Outcome, GateError> {
+        match self
+            .client
+            .get(id.namespace.as_str(), id.key.as_str())
+            .await?
+        {
+            None => Ok(Outcome::Released),
+            Some(_) => Err(GateError::LeaseLost),
+        }
+    }
+}
+
+/// Whether an op of `ops` touches the key of a release other than that release.
+fn a_release_shares_its_key(ops: &[(RecordId, ValidOp)]) -> bool {
+    let released: std::collections::HashSet<&RecordId> = ops
+        .iter()
+        .filter(|(_, op)| matches!(**op, Op::Release { .. }))
+        .map(|(id, _)| id)
+        .collect();
+    !released.is_empty()
+        && ops.iter().filter(|(id, _)| released.contains(id)).count() > released.len()
 }
 
 fn unavailable(why: &str) -> GateError {
@@ -371,6 +404,29 @@ mod tests {
             GateError::from(ClientError::from(forbidden)),
             GateError::Store(StoreError::Unavailable(_))
         ));
+    }
+
+    #[test]
+    fn only_a_release_whose_key_another_op_touches_needs_ops_one_by_one() {
+        let id = |k: &str| RecordId::new("ns", k).unwrap();
+        let release = || ValidOp::release(Token::new("t")).unwrap();
+        let claim = || ValidOp::claim(ClaimOptions::default(), Default::default()).unwrap();
+        assert!(!a_release_shares_its_key(&[
+            (id("a"), claim()),
+            (id("a"), claim())
+        ]));
+        assert!(!a_release_shares_its_key(&[
+            (id("a"), release()),
+            (id("b"), claim())
+        ]));
+        assert!(a_release_shares_its_key(&[
+            (id("a"), release()),
+            (id("a"), claim())
+        ]));
+        assert!(a_release_shares_its_key(&[
+            (id("a"), release()),
+            (id("a"), release())
+        ]));
     }
 
     #[test]

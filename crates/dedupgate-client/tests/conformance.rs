@@ -126,6 +126,71 @@ async fn every_op_in_one_batch(options: HttpStoreOptions, with_release: bool) {
 async fn a_batch_of_every_op_is_answered_as_each_op_alone() {
     every_op_in_one_batch(HttpStoreOptions::without_retries(), true).await;
     every_op_in_one_batch(HttpStoreOptions::default(), false).await;
-    // With retries a release sends the batch op by op; the answers are the same.
+    // With retries too, a release whose key no other op touches goes in the batch.
     every_op_in_one_batch(HttpStoreOptions::default(), true).await;
+}
+
+/// A proxy to `upstream` that lets the server answer the first request it carries and then
+/// drops the connection, so that answer is lost; later connections pass as they are.
+async fn losing_the_first_answer(upstream: String) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let mut outbound = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            if !std::mem::take(&mut first) {
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                });
+                continue;
+            }
+            let (mut from_client, _to_client) = inbound.into_split();
+            let (mut from_server, mut to_server) = outbound.into_split();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n) = from_client.read(&mut buf).await {
+                    if n == 0 || to_server.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            // The server answered, so it decided; the answer goes nowhere.
+            let mut answer = [0u8; 1];
+            let _ = from_server.read(&mut answer).await;
+        }
+    });
+    url
+}
+
+/// A release whose batch answer was lost: the batch is sent again, its release then answers
+/// lease_lost (the token released already), and the store looks the key up as the typed
+/// release does, so the caller learns the release was done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_in_a_batch_whose_answer_was_lost_is_reported_done() {
+    use dedupgate_core::{Claim, ClaimOptions, Outcome, RecordId, Store, ValidOp};
+
+    let clock = ManualClock::new(1_764_000_000_000);
+    let (url, _stop) = server_over_memory(&clock).await;
+    let direct = HttpStore::new(&url, HttpStoreOptions::without_retries()).unwrap();
+    let id = || RecordId::new("lost", "k").unwrap();
+    let claim = || ValidOp::claim(ClaimOptions::default(), Default::default()).unwrap();
+    let token = match direct.apply(id(), claim()).await.unwrap() {
+        Outcome::Claimed(Claim::New(lease)) => lease.token,
+        other => panic!("{other:?}"),
+    };
+    let proxied = losing_the_first_answer(url.trim_start_matches("http://").to_owned()).await;
+    let store = HttpStore::new(&proxied, HttpStoreOptions::default()).unwrap();
+    let answers = store
+        .apply_batch(vec![(id(), ValidOp::release(token).unwrap())])
+        .await;
+    assert!(
+        matches!(answers.as_slice(), [Ok(Outcome::Released)]),
+        "{answers:?}"
+    );
+    assert!(matches!(
+        direct.apply(id(), claim()).await,
+        Ok(Outcome::Claimed(Claim::New(_)))
+    ));
 }
