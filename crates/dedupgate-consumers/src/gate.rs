@@ -82,7 +82,28 @@ impl ConsumerGate {
         T: Serialize,
         E: fmt::Display,
     {
-        let key = match self.key_for(message_id, id_field, payload) {
+        let key = self.key_for(message_id, id_field, payload);
+        self.process_key(key, payload, attempt, handler).await
+    }
+
+    /// [`ConsumerGate::process`] for an adapter that makes the key itself (Kafka: from a
+    /// record header, or a template over the payload and the headers): `key` is that key, or
+    /// why none could be made (the delivery is then rejected). The fingerprint follows
+    /// [`KeySource`] as in `process`: the payload's hash unless the key comes from a template.
+    pub async fn process_key<H, Fut, T, E>(
+        &self,
+        key: Result<String, Rejection>,
+        payload: &[u8],
+        attempt: Attempt,
+        handler: H,
+    ) -> Handled<T, E>
+    where
+        H: FnOnce(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize,
+        E: fmt::Display,
+    {
+        let key = match key {
             Ok(key) => key,
             Err(why) => return self.logged(Handled::Rejected(why)),
         };
@@ -165,6 +186,17 @@ impl ConsumerGate {
             retry_after,
             unreleased,
         }
+    }
+
+    /// Where keys come from.
+    pub fn key_source(&self) -> &KeySource {
+        &self.key
+    }
+
+    /// The wait after a delivery the gate could not decide (also the Kafka consumer's wait
+    /// before it tries a failed dead-letter publish again).
+    pub fn unavailable_delay(&self) -> Duration {
+        self.unavailable_retry
     }
 
     /// The in-progress delay, capped by the holder's remaining lease so that a crashed holder's

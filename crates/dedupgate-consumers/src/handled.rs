@@ -17,6 +17,13 @@ pub enum Rejection {
         /// The property or header that was missing.
         field: &'static str,
     },
+    /// The key comes from a record header (Kafka) and the record has none by that name, or an
+    /// empty or non-UTF-8 one.
+    #[error("the record has no usable header {name:?} (missing, empty or not UTF-8), and the key comes from it")]
+    NoHeader {
+        /// The header's name.
+        name: String,
+    },
     /// The key comes from a template and the payload is not JSON.
     #[error("the payload is not JSON, so key template {template:?} cannot be rendered: {cause}")]
     NotJson {

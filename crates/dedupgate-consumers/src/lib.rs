@@ -65,6 +65,8 @@
 mod delivery;
 mod gate;
 mod handled;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod options;

@@ -5,6 +5,8 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod amqp;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;

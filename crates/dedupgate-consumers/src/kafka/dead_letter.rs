@@ -1,0 +1,108 @@
+//! [`DeadLetters`]: rejected records produced to a dead-letter topic, with why in headers, by an
+//! idempotent producer. A record counts as settled only once the broker acknowledged its copy.
+
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+
+use super::{KafkaConfig, KafkaError, Record};
+
+/// Header holding why the record was dead-lettered (the outcome as logged).
+pub const REASON_HEADER: &str = "dedupgate-reason";
+/// Header holding the outcome's label (`rejected`, `failed`).
+pub const OUTCOME_HEADER: &str = "dedupgate-outcome";
+/// Header holding where the record came from, `topic/partition/offset`.
+pub const SOURCE_HEADER: &str = "dedupgate-source";
+/// Header holding the dedup key, when one could be made.
+pub const KEY_HEADER: &str = "dedupgate-key";
+
+/// How long one dead-letter publish may wait for the broker's acknowledgement (librdkafka
+/// retries within it) before the consumer tries again later.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connection properties copied from the consumer's to the dead-letter producer: where the
+/// cluster is and how to authenticate; consumer properties would only draw warnings.
+fn is_connection_property(name: &str) -> bool {
+    name == "bootstrap.servers"
+        || name == "client.id"
+        || ["security.", "sasl.", "ssl."]
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+}
+
+/// The dead-letter topic and its producer.
+pub(crate) struct DeadLetters {
+    topic: String,
+    producer: FutureProducer,
+}
+
+impl DeadLetters {
+    /// The producer for `config`'s dead-letter topic, when it names one.
+    pub(crate) fn new(config: &KafkaConfig) -> Result<Option<Self>, KafkaError> {
+        let Some(topic) = &config.dead_letter_topic else {
+            return Ok(None);
+        };
+        let mut client = ClientConfig::new();
+        for (name, value) in &config.properties {
+            if is_connection_property(name) {
+                client.set(name, value);
+            }
+        }
+        // Idempotent: a retried publish is not written twice.
+        client.set("enable.idempotence", "true");
+        let producer = client.create().map_err(KafkaError::Client)?;
+        Ok(Some(Self {
+            topic: topic.clone(),
+            producer,
+        }))
+    }
+
+    /// Produces a copy of `record` (its key, payload and headers) with the reason headers
+    /// added, and waits for the broker's acknowledgement.
+    pub(crate) async fn send(
+        &self,
+        record: &Record,
+        key: Option<&str>,
+        outcome: &str,
+        reason: &str,
+    ) -> Result<(), KafkaError> {
+        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 4);
+        for (name, value) in &record.headers {
+            headers = headers.insert(Header {
+                key: name,
+                value: value.as_deref(),
+            });
+        }
+        let source = record.position();
+        let mut added = vec![
+            (REASON_HEADER, reason),
+            (OUTCOME_HEADER, outcome),
+            (SOURCE_HEADER, source.as_str()),
+        ];
+        if let Some(key) = key {
+            added.push((KEY_HEADER, key));
+        }
+        for (name, value) in added {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value),
+            });
+        }
+        let mut copy = FutureRecord::<[u8], [u8]>::to(&self.topic)
+            .payload(&record.payload)
+            .headers(headers);
+        if let Some(key) = &record.key {
+            copy = copy.key(key);
+        }
+        self.producer
+            .send(copy, DELIVERY_TIMEOUT)
+            .await
+            .map(|_| ())
+            .map_err(|(cause, _)| KafkaError::DeadLetter {
+                topic: self.topic.clone(),
+                cause,
+            })
+    }
+}

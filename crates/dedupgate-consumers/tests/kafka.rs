@@ -1,0 +1,306 @@
+//! Against a real Kafka-protocol broker each test starts for itself (tansu, see
+//! `common/kafka.rs`; skipped, saying so, only when its binary is not installed): M records
+//! with D% duplicates (the same key header on a new offset) run the handler once per distinct
+//! key over an embedded store, and the group's committed offsets reach each partition's end; a
+//! handler that fails N times is retried in process until it succeeds, and a record without a
+//! key goes to the dead-letter topic with the reason; two consumers in one group, the second
+//! joining mid-stream (a rebalance), still run each key exactly once.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::kafka::{self as broker, Broker};
+use common::unique;
+use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
+use dedupgate_consumers::kafka::rdkafka::consumer::{Consumer, StreamConsumer};
+use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
+use dedupgate_consumers::kafka::{KafkaConfig, KafkaConsumer, Stats, REASON_HEADER};
+use dedupgate_consumers::Message;
+use dedupgate_core::Mode;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+
+/// How long a test waits for the committed offsets to reach the end (a guard against a hang).
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// A consumer's settings for the tests: a short session so joins and rebalances are quick
+/// (tansu answers a new member's join only after a delay that grows with it), frequent commits.
+fn config(broker: &Broker, group: &str, topic: &str) -> KafkaConfig {
+    KafkaConfig::new(&broker.bootstrap, group, &[topic])
+        .unwrap()
+        .set("session.timeout.ms", "6000")
+        .unwrap()
+        .set("heartbeat.interval.ms", "500")
+        .unwrap()
+        .commit_every(Duration::from_millis(50))
+        .unwrap()
+        .in_flight(16)
+        .unwrap()
+}
+
+/// Handler runs per key.
+#[derive(Default)]
+struct Runs(Mutex<BTreeMap<String, u32>>);
+
+impl Runs {
+    fn count(&self, key: &str) {
+        *self.0.lock().unwrap().entry(key.to_owned()).or_default() += 1;
+    }
+    fn snapshot(&self) -> BTreeMap<String, u32> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A consumer running in its own task until the returned sender says stop.
+fn spawn(
+    consumer: KafkaConsumer,
+    handler: impl Fn(Message) -> std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        + Send
+        + Sync
+        + 'static,
+) -> (watch::Sender<bool>, tokio::task::JoinHandle<Stats>) {
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        consumer
+            .run(handler, async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+            .expect("consumer run")
+    });
+    (stop, task)
+}
+
+/// Waits until the group's committed offsets are each partition's end.
+async fn wait_committed(broker: &Broker, group: &str, topic: &str, ends: &[i64], runs: &Runs) {
+    let want: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
+    let started = Instant::now();
+    loop {
+        let committed = broker.committed(group, topic, ends.len() as i32);
+        if committed == want {
+            return;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "committed {committed:?}, want {want:?}; runs: {:?}",
+            runs.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `distinct` keys, and `total` records over them: each key once, then duplicates of random
+/// keys (new offsets), shuffled, spread over `partitions` at random. Prints the seed.
+fn records_with_duplicates(
+    distinct: usize,
+    total: usize,
+    partitions: i32,
+) -> Vec<(i32, String, String)> {
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
+    for _ in distinct..total {
+        keys.push(format!("order-{:04}", rng.gen_range(0..distinct)));
+    }
+    keys.shuffle(&mut rng);
+    keys.into_iter()
+        .map(|k| {
+            let payload = format!("{{\"order\":\"{k}\"}}");
+            (rng.gen_range(0..partitions), k, payload)
+        })
+        .collect()
+}
+
+async fn produce_all(
+    broker: &Broker,
+    topic: &str,
+    partitions: i32,
+    records: &[(i32, String, String)],
+    ends: &mut Vec<i64>,
+) {
+    let producer = broker.producer();
+    let batch: Vec<(i32, Option<&str>, &[u8])> = records
+        .iter()
+        .map(|(p, k, v)| (*p, Some(k.as_str()), v.as_bytes()))
+        .collect();
+    broker::produce(&producer, topic, partitions, &batch, ends).await;
+}
+
+fn counting_handler(
+    runs: Arc<Runs>,
+) -> impl Fn(Message) -> std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+       + Send
+       + Sync
+       + 'static {
+    move |msg: Message| {
+        let runs = runs.clone();
+        Box::pin(async move {
+            // Long enough that copies of a key on other partitions overlap it.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            runs.count(&msg.key);
+            Ok(format!("done:{}", msg.key))
+        })
+    }
+}
+
+fn assert_once_each(runs: &Runs, records: &[(i32, String, String)]) {
+    let distinct: BTreeMap<String, u32> = records.iter().map(|(_, k, _)| (k.clone(), 1)).collect();
+    assert_eq!(runs.snapshot(), distinct, "every distinct key exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_distinct_key_runs_once_and_the_commits_reach_the_end() {
+    let Some(broker) = broker::start() else { return };
+    let (topic, group, partitions) = (unique("orders"), unique("billing"), 3);
+    broker.create_topic(&topic, partitions).await;
+    // M = 400 records, D = 30% duplicates.
+    let records = records_with_duplicates(280, 400, partitions);
+    let mut ends = Vec::new();
+    produce_all(&broker, &topic, partitions, &records, &mut ends).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let runs = Arc::new(Runs::default());
+    let consumer = KafkaConsumer::new(gate, config(&broker, &group, &topic)).unwrap();
+    let (stop, task) = spawn(consumer, counting_handler(runs.clone()));
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    println!("{stats:?}");
+    assert_once_each(&runs, &records);
+    assert_eq!(stats.records, 400);
+    assert_eq!(stats.ran, 280);
+    assert_eq!(stats.duplicates, 120);
+    assert_eq!((stats.dead_lettered, stats.dropped), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_handler_is_retried_in_process_and_a_keyless_record_is_dead_lettered() {
+    let Some(broker) = broker::start() else { return };
+    let (topic, group, dlq) = (unique("orders"), unique("billing"), unique("orders-dlq"));
+    broker.create_topic(&topic, 1).await;
+    broker.create_topic(&dlq, 1).await;
+    // One partition: the failing record holds back the commits of all the records after it.
+    let mut batch: Vec<(i32, Option<&str>, &[u8])> = vec![(0, Some("flaky"), b"{}")];
+    let keys: Vec<String> = (0..20).map(|i| format!("k-{i:02}")).collect();
+    batch.extend(keys.iter().map(|k| (0, Some(k.as_str()), &b"{}"[..])));
+    batch.push((0, None, b"no key here"));
+    let mut ends = Vec::new();
+    broker::produce(&broker.producer(), &topic, 1, &batch, &mut ends).await;
+
+    const FAILURES: usize = 3;
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let runs = Arc::new(Runs::default());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (runs, calls) = (runs.clone(), calls.clone());
+        move |msg: Message| {
+            let (runs, calls) = (runs.clone(), calls.clone());
+            Box::pin(async move {
+                if msg.key == "flaky" {
+                    let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                    assert_eq!(msg.attempt, Some(n as u32), "in-process attempts are counted");
+                    if n <= FAILURES {
+                        return Err(format!("injected failure {n}"));
+                    }
+                }
+                runs.count(&msg.key);
+                Ok(msg.key)
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        }
+    };
+    let consumer = KafkaConsumer::new(
+        gate,
+        config(&broker, &group, &topic).dead_letter_topic(&dlq).unwrap(),
+    )
+    .unwrap();
+    let (stop, task) = spawn(consumer, handler);
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    println!("{stats:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), FAILURES + 1);
+    let mut want: BTreeMap<String, u32> = keys.iter().map(|k| (k.clone(), 1)).collect();
+    want.insert("flaky".into(), 1);
+    assert_eq!(runs.snapshot(), want);
+    assert_eq!(stats.retries, FAILURES as u64);
+    assert_eq!(stats.dead_lettered, 1);
+
+    // The keyless record is on the dead-letter topic, its payload kept, the reason in a header.
+    let reader: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &broker.bootstrap)
+        .set("group.id", unique("dlq-reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    reader.subscribe(&[&dlq]).unwrap();
+    let dead = tokio::time::timeout(DEADLINE, reader.recv())
+        .await
+        .expect("a dead letter within the deadline")
+        .expect("receive");
+    assert_eq!(dead.payload(), Some(&b"no key here"[..]));
+    let reason = dead
+        .headers()
+        .and_then(|h| h.iter().find(|h| h.key == REASON_HEADER))
+        .and_then(|h| h.value)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .expect("a reason header");
+    assert!(reason.contains("idempotency-key"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_in_one_group_run_each_key_once_across_a_rebalance() {
+    let Some(broker) = broker::start() else { return };
+    let (topic, group, partitions) = (unique("orders"), unique("billing"), 4);
+    broker.create_topic(&topic, partitions).await;
+    let records = records_with_duplicates(300, 450, partitions);
+    let (first_half, second_half) = records.split_at(records.len() / 2);
+    let mut ends = Vec::new();
+    produce_all(&broker, &topic, partitions, first_half, &mut ends).await;
+
+    // One store shared by both consumers, as two processes would share one.
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let runs = Arc::new(Runs::default());
+    // Slow enough that the second consumer joins while the first still has records in hand.
+    let slow = {
+        let runs = runs.clone();
+        move |msg: Message| {
+            let runs = runs.clone();
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                runs.count(&msg.key);
+                Ok(msg.key)
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        }
+    };
+    let a = KafkaConsumer::new(gate.clone(), config(&broker, &group, &topic)).unwrap();
+    let (stop_a, task_a) = spawn(a, slow.clone());
+    // Once the first has run some, the second joins: the group rebalances mid-stream.
+    let started = Instant::now();
+    while runs.snapshot().len() < 20 {
+        assert!(started.elapsed() < DEADLINE, "the first consumer ran nothing");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b = KafkaConsumer::new(gate.clone(), config(&broker, &group, &topic)).unwrap();
+    let (stop_b, task_b) = spawn(b, slow);
+    produce_all(&broker, &topic, partitions, second_half, &mut ends).await;
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop_a.send(true).unwrap();
+    stop_b.send(true).unwrap();
+    let (stats_a, stats_b) = (task_a.await.unwrap(), task_b.await.unwrap());
+    println!("a: {stats_a:?}\nb: {stats_b:?}");
+    assert_once_each(&runs, &records);
+    assert!(
+        stats_b.records > 0,
+        "the second consumer got no partition: no rebalance happened"
+    );
+    assert_eq!(stats_a.ran + stats_b.ran, 300);
+}
+
