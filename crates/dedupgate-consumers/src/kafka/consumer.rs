@@ -34,6 +34,8 @@ struct Counters {
     dead_lettered: AtomicU64,
     dropped: AtomicU64,
     abandoned: AtomicU64,
+    assigned: AtomicU64,
+    revoked: AtomicU64,
 }
 
 /// A snapshot of a consumer's counters.
@@ -56,6 +58,10 @@ pub struct Stats {
     /// Records whose partition was revoked while they were in hand: not committed, left to
     /// the partition's next holder.
     pub abandoned: u64,
+    /// Partitions assigned to this consumer by the group, counted per assignment.
+    pub partitions_assigned: u64,
+    /// Partitions revoked from this consumer by a rebalance (or its leaving the group).
+    pub partitions_revoked: u64,
 }
 
 impl Counters {
@@ -69,6 +75,8 @@ impl Counters {
             dead_lettered: get(&self.dead_lettered),
             dropped: get(&self.dropped),
             abandoned: get(&self.abandoned),
+            partitions_assigned: get(&self.assigned),
+            partitions_revoked: get(&self.revoked),
         }
     }
 }
@@ -81,6 +89,7 @@ fn bump(counter: &AtomicU64) {
 /// and commits a partition's settled records before it is revoked.
 struct GroupContext {
     partitions: Arc<Partitions>,
+    counters: Arc<Counters>,
 }
 
 impl ClientContext for GroupContext {}
@@ -97,6 +106,9 @@ impl ConsumerContext for GroupContext {
                         tracing::warn!(error = %e, "kafka: commit on revoke failed; the next holder redelivers those records, which the gate answers as duplicates");
                     }
                 }
+                self.counters
+                    .revoked
+                    .fetch_add(tpl.count() as u64, Ordering::Relaxed);
                 tracing::info!(partitions = tpl.count(), "kafka: partitions revoked");
             }
             Rebalance::Assign(_) => {}
@@ -107,6 +119,9 @@ impl ConsumerContext for GroupContext {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(tpl) = rebalance {
             self.partitions.assign(tpl);
+            self.counters
+                .assigned
+                .fetch_add(tpl.count() as u64, Ordering::Relaxed);
             tracing::info!(partitions = tpl.count(), "kafka: partitions assigned");
         }
     }
@@ -127,7 +142,7 @@ struct Shared {
     key_header: String,
     partitions: Arc<Partitions>,
     dead_letters: Option<DeadLetters>,
-    counters: Counters,
+    counters: Arc<Counters>,
 }
 
 /// A Kafka consumer group member that runs a handler once per key through a [`ConsumerGate`].
@@ -152,6 +167,7 @@ impl KafkaConsumer {
     /// the topics; records are received once [`KafkaConsumer::run`] runs.
     pub fn new(gate: ConsumerGate, config: KafkaConfig) -> Result<Self, KafkaError> {
         let partitions = Arc::new(Partitions::default());
+        let counters = Arc::new(Counters::default());
         let mut client = ClientConfig::new();
         for (name, value) in &config.properties {
             client.set(name, value);
@@ -163,6 +179,7 @@ impl KafkaConsumer {
         let consumer: StreamConsumer<GroupContext> = client
             .create_with_context(GroupContext {
                 partitions: partitions.clone(),
+                counters: counters.clone(),
             })
             .map_err(KafkaError::Client)?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
@@ -176,7 +193,7 @@ impl KafkaConsumer {
                 key_header: config.key_header.clone(),
                 partitions,
                 dead_letters,
-                counters: Counters::default(),
+                counters,
             }),
             config,
         })
