@@ -54,9 +54,9 @@ pub use config::{
 pub use consumer::{KafkaConsumer, Stats};
 pub use dead_letter::{KEY_HEADER, OUTCOME_HEADER, REASON_HEADER, SOURCE_HEADER};
 pub use offsets::{OffsetError, OffsetTracker};
-pub use record::Record;
 /// The rdkafka this module is built on, for producers and admin clients of the same version.
 pub use rdkafka;
+pub use record::Record;
 
 /// Why the consumer could not be built or could not go on.
 #[derive(Debug, thiserror::Error)]

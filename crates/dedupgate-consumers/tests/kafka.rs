@@ -157,7 +157,9 @@ fn assert_once_each(runs: &Runs, records: &[(i32, String, String)]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_distinct_key_runs_once_and_the_commits_reach_the_end() {
-    let Some(broker) = broker::start() else { return };
+    let Some(broker) = broker::start() else {
+        return;
+    };
     let (topic, group, partitions) = (unique("orders"), unique("billing"), 3);
     broker.create_topic(&topic, partitions).await;
     // M = 400 records, D = 30% duplicates.
@@ -182,7 +184,9 @@ async fn every_distinct_key_runs_once_and_the_commits_reach_the_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failing_handler_is_retried_in_process_and_a_keyless_record_is_dead_lettered() {
-    let Some(broker) = broker::start() else { return };
+    let Some(broker) = broker::start() else {
+        return;
+    };
     let (topic, group, dlq) = (unique("orders"), unique("billing"), unique("orders-dlq"));
     broker.create_topic(&topic, 1).await;
     broker.create_topic(&dlq, 1).await;
@@ -208,7 +212,11 @@ async fn a_failing_handler_is_retried_in_process_and_a_keyless_record_is_dead_le
             Box::pin(async move {
                 if msg.key == "flaky" {
                     let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-                    assert_eq!(msg.attempt, Some(n as u32), "in-process attempts are counted");
+                    assert_eq!(
+                        msg.attempt,
+                        Some(n as u32),
+                        "in-process attempts are counted"
+                    );
                     if n <= FAILURES {
                         return Err(format!("injected failure {n}"));
                     }
@@ -221,7 +229,9 @@ async fn a_failing_handler_is_retried_in_process_and_a_keyless_record_is_dead_le
     };
     let consumer = KafkaConsumer::new(
         gate,
-        config(&broker, &group, &topic).dead_letter_topic(&dlq).unwrap(),
+        config(&broker, &group, &topic)
+            .dead_letter_topic(&dlq)
+            .unwrap(),
     )
     .unwrap();
     let (stop, task) = spawn(consumer, handler);
@@ -274,7 +284,9 @@ async fn a_failing_handler_is_retried_in_process_and_a_keyless_record_is_dead_le
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_consumers_in_one_group_run_each_key_once_across_a_rebalance() {
-    let Some(broker) = broker::start() else { return };
+    let Some(broker) = broker::start() else {
+        return;
+    };
     let (topic, group, partitions) = (unique("orders"), unique("billing"), 4);
     broker.create_topic(&topic, partitions).await;
     let records = records_with_duplicates(300, 450, partitions);
@@ -302,7 +314,10 @@ async fn two_consumers_in_one_group_run_each_key_once_across_a_rebalance() {
     // Once the first has run some, the second joins: the group rebalances mid-stream.
     let started = Instant::now();
     while runs.snapshot().len() < 20 {
-        assert!(started.elapsed() < DEADLINE, "the first consumer ran nothing");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the first consumer ran nothing"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let b = KafkaConsumer::new(gate.clone(), config(&broker, &group, &topic)).unwrap();
@@ -320,4 +335,3 @@ async fn two_consumers_in_one_group_run_each_key_once_across_a_rebalance() {
     );
     assert_eq!(stats_a.ran + stats_b.ran, 300);
 }
-

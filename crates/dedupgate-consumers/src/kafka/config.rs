@@ -204,9 +204,15 @@ mod tests {
             KafkaConfig::new("", "g", &["t"]).unwrap_err().field,
             "bootstrap_servers"
         );
-        assert_eq!(KafkaConfig::new("b", "", &["t"]).unwrap_err().field, "group_id");
+        assert_eq!(
+            KafkaConfig::new("b", "", &["t"]).unwrap_err().field,
+            "group_id"
+        );
         assert_eq!(KafkaConfig::new("b", "g", &[]).unwrap_err().field, "topics");
-        assert_eq!(KafkaConfig::new("b", "g", &[""]).unwrap_err().field, "topics");
+        assert_eq!(
+            KafkaConfig::new("b", "g", &[""]).unwrap_err().field,
+            "topics"
+        );
         for owned in OWNED_PROPERTIES {
             assert_eq!(config().set(owned, "true").unwrap_err().field, "property");
         }

@@ -346,7 +346,12 @@ where
 {
     let tp: Tp = (record.topic.clone(), record.partition);
     let counters = &shared.counters;
-    let key = match key_of(&shared.gate, &shared.record_key, &shared.key_header, &record) {
+    let key = match key_of(
+        &shared.gate,
+        &shared.record_key,
+        &shared.key_header,
+        &record,
+    ) {
         Ok(key) => key,
         Err(why) => {
             // No key: the gate logs the rejection, and the record is dead-lettered.

