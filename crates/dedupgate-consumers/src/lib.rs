@@ -17,8 +17,13 @@
 //!   `message_id` property.
 //! - [`nats`] (feature `nats`, async-nats): [`nats::handle`] does the same for a JetStream pull
 //!   consumer's message (ack, nak with a delay, term); the key is the `Nats-Msg-Id` header.
+//! - [`kafka`] (feature `kafka`, rdkafka): [`kafka::KafkaConsumer`] is a consumer group member
+//!   that runs each record through the gate ([`ConsumerGate::process_key`]), several at once,
+//!   and commits each partition's offsets in order once the records below them are settled; a
+//!   retry holds the record in process, a reject dead-letters it ([`kafka::KafkaConfig`]). The
+//!   key is the `idempotency-key` header by default.
 //!
-//! The rules, for both brokers:
+//! The rules, for every broker (Kafka's reading of each action is in [`kafka`]'s docs):
 //!
 //! | outcome | action |
 //! |---|---|
@@ -56,7 +61,8 @@
 //!
 //! Inside, one concern per module: `gate` ([`ConsumerGate::process`] and what it applies),
 //! `options` (settings, their defaults and bounds), `handled` (outcomes and the broker's
-//! action), `delivery` ([`Attempt`], [`Message`]), and each broker's adapter in its own module.
+//! action), `delivery` ([`Attempt`], [`Message`]), and each broker's adapter in its own module
+//! (Kafka's in a folder: its offsets, partitions, records and dead letters are each a concern).
 //!
 //! [`Gate`]: dedupgate_core::Gate
 //! [`Mode`]: dedupgate_core::Mode
