@@ -36,6 +36,12 @@
 //! keys by `topic/partition/offset`, which catches only redeliveries of the same record: a
 //! redriven or re-produced record has a new offset, hence a new key, and runs again.
 //!
+//! Limits: the consumer polls Kafka only while it has room for another record, and rebalance
+//! callbacks run inside that poll. A consumer whose every slot stays taken (handlers or retries
+//! that wait) past librdkafka's `max.poll.interval.ms` (5 minutes) is dropped from the group;
+//! its partitions go to another member and its records in hand are abandoned as on a revoke.
+//! Producing results to Kafka in the same transaction as the consumed offsets is not done here.
+//!
 //! Inside: `config` ([`KafkaConfig`]), `offsets` ([`OffsetTracker`]), `partitions` (the held
 //! partitions and their epochs), `record` ([`Record`] and its key), `dead_letter` (the
 //! dead-letter producer) and `consumer` (the loop and the rebalance callbacks).

@@ -6,6 +6,10 @@
 //! record no longer counts: it is neither retried nor settled, so its offset is not committed,
 //! and the partition's next holder receives it again. The gate then holds its key until this
 //! consumer's run (if any) completes, so the record is not run twice and not lost.
+//!
+//! A partition assigned again starts a fresh tracker at the first record received: librdkafka
+//! fetches it from the committed position and discards records fetched under an earlier
+//! assignment, so no record below that first one is still to come.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -150,27 +150,32 @@ impl Broker {
     /// The group's committed positions of `topic`'s `partitions` (`None` for a partition
     /// with no commit).
     pub fn committed(&self, group: &str, topic: &str, partitions: i32) -> Vec<Option<i64>> {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.bootstrap)
-            .set("group.id", group)
-            .create()
-            .expect("offset reader");
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..partitions {
-            tpl.add_partition(topic, p);
-        }
-        let committed = consumer
-            .committed_offsets(tpl, Duration::from_secs(10))
-            .expect("committed offsets");
-        (0..partitions)
-            .map(
-                |p| match committed.find_partition(topic, p).map(|e| e.offset()) {
-                    Some(Offset::Offset(o)) => Some(o),
-                    _ => None,
-                },
-            )
-            .collect()
+        committed(&self.bootstrap, group, topic, partitions)
     }
+}
+
+/// [`Broker::committed`] on the cluster at `bootstrap` (also librdkafka's mock cluster).
+pub fn committed(bootstrap: &str, group: &str, topic: &str, partitions: i32) -> Vec<Option<i64>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .create()
+        .expect("offset reader");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("committed offsets");
+    (0..partitions)
+        .map(
+            |p| match committed.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => None,
+            },
+        )
+        .collect()
 }
 
 /// Produces one record per `(partition, key header, payload)` and returns each partition's end
