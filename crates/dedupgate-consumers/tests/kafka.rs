@@ -4,7 +4,9 @@
 //! key over an embedded store, and the group's committed offsets reach each partition's end; a
 //! handler that fails N times is retried in process until it succeeds, and a record without a
 //! key goes to the dead-letter topic with the reason; two consumers in one group, the second
-//! joining mid-stream (a rebalance), still run each key exactly once.
+//! joining mid-stream (a rebalance), still run each key exactly once; position keys catch a
+//! replay of the same records but run a copy produced again. Faults (refused commits, the
+//! broker down) are in `kafka_faults.rs`, on librdkafka's mock cluster.
 
 mod common;
 
@@ -334,4 +336,50 @@ async fn two_consumers_in_one_group_run_each_key_once_across_a_rebalance() {
         "no rebalance took partitions from the first consumer to the second"
     );
     assert_eq!(stats_a.ran + stats_b.ran, 300);
+}
+
+/// Position keys (`topic/partition/offset`) catch a redelivery of the same record (here: the
+/// topic read again by a second group over the same store) but not a copy produced again:
+/// it has a new offset, so it runs again. That is why they are only an explicit choice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn position_keys_catch_redeliveries_but_not_records_produced_again() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let topic = unique("orders");
+    broker.create_topic(&topic, 1).await;
+    let batch: Vec<(i32, Option<&str>, &[u8])> =
+        vec![(0, Some("order-1"), b"{}"), (0, Some("order-1"), b"{}")];
+    let mut ends = Vec::new();
+    broker::produce(&broker.producer(), &topic, 1, &batch, &mut ends).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let runs = Arc::new(Runs::default());
+    let mut stats = Vec::new();
+    for group in [unique("billing"), unique("replay")] {
+        let config = config(&broker, &group, &topic).key_from_position();
+        let consumer = KafkaConsumer::new(gate.clone(), config).unwrap();
+        let (stop, task) = spawn(consumer, counting_handler(runs.clone()));
+        wait_committed(&broker, &group, &topic, &ends, &runs).await;
+        stop.send(true).unwrap();
+        stats.push(task.await.unwrap());
+    }
+    println!("{stats:?}");
+    let keys: Vec<String> = runs.snapshot().into_keys().collect();
+    assert_eq!(keys, [format!("{topic}/0/0"), format!("{topic}/0/1")]);
+    assert!(
+        runs.snapshot().values().all(|n| *n == 1),
+        "{:?}",
+        runs.snapshot()
+    );
+    assert_eq!(
+        (stats[0].ran, stats[0].duplicates),
+        (2, 0),
+        "the copy ran again"
+    );
+    assert_eq!(
+        (stats[1].ran, stats[1].duplicates),
+        (0, 2),
+        "the replay ran nothing"
+    );
 }
