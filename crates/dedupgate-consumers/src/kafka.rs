@@ -68,10 +68,12 @@ pub use record::Record;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KafkaError {
-    /// librdkafka refused the configuration or the subscription.
+    /// librdkafka refused the configuration or the subscription, or (from
+    /// [`KafkaConsumer::run`]) reported an error it calls fatal.
     #[error("kafka: {0}")]
     Client(rdkafka::error::KafkaError),
-    /// A rejected record could not be produced to the dead-letter topic.
+    /// A rejected record could not be produced to the dead-letter topic (the consumer logs it
+    /// and tries again; the record stays in hand meanwhile).
     #[error("kafka: dead-letter publish to {topic:?} failed: {cause}")]
     DeadLetter {
         /// The dead-letter topic.

@@ -11,7 +11,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::KafkaResult;
+use rdkafka::error::{KafkaError as RdKafkaError, KafkaResult};
 use rdkafka::{ClientContext, TopicPartitionList};
 use serde::Serialize;
 use tokio::sync::Semaphore;
@@ -206,7 +206,8 @@ impl KafkaConsumer {
 
     /// Receives records and runs `handler` for each through the gate until `shutdown`
     /// completes; then lets the records in hand settle (for up to the configured grace),
-    /// commits what settled and returns the counters. Records of a partition are handled
+    /// commits what settled and returns the counters. Fails (after the same settling) only on
+    /// an error librdkafka calls fatal; others it retries by itself. Records of a partition are handled
     /// concurrently (up to the in-flight bound); their offsets are committed in order, each
     /// once it and every record before it settled.
     ///
@@ -242,6 +243,7 @@ impl KafkaConsumer {
         let mut commits = tokio::time::interval(self.config.commit_every);
         commits.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut slot = None;
+        let mut fatal = None;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -275,6 +277,13 @@ impl KafkaConsumer {
                             ),
                         }
                     }
+                    // The consumer cannot go on (librdkafka says so): stop taking records and
+                    // settle what is in hand, as on shutdown, then say why.
+                    Err(e @ RdKafkaError::MessageConsumptionFatal(_)) => {
+                        tracing::error!(error = %e, "kafka: fatal consumer error");
+                        fatal = Some(e);
+                        break;
+                    }
                     Err(e) => {
                         // librdkafka retries by itself; a pause keeps a persistent error from
                         // spinning this loop.
@@ -294,12 +303,19 @@ impl KafkaConsumer {
                         in_hand = tasks.len(),
                         "kafka: records still in hand at shutdown are abandoned uncommitted"
                     );
+                    self.shared
+                        .counters
+                        .abandoned
+                        .fetch_add(tasks.len() as u64, Ordering::Relaxed);
                     tasks.shutdown().await;
                 }
             }
         }
         self.commit(CommitMode::Sync);
-        Ok(self.stats())
+        match fatal {
+            Some(e) => Err(KafkaError::Client(e)),
+            None => Ok(self.stats()),
+        }
     }
 
     /// Commits every held partition's settled position that the broker has not acknowledged.
