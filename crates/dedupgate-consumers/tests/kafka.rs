@@ -5,7 +5,8 @@
 //! handler that fails N times is retried in process until it succeeds, and a record without a
 //! key goes to the dead-letter topic with the reason; two consumers in one group, the second
 //! joining mid-stream (a rebalance), still run each key exactly once; position keys catch a
-//! replay of the same records but run a copy produced again. Faults (refused commits, the
+//! replay of the same records but run a copy produced again; a handler that outlives its lease
+//! keeps the key, because the gate renews it. Faults (refused commits, the
 //! broker down) are in `kafka_faults.rs`, on librdkafka's mock cluster.
 
 mod common;
@@ -381,5 +382,48 @@ async fn position_keys_catch_redeliveries_but_not_records_produced_again() {
         (stats[1].ran, stats[1].duplicates),
         (0, 2),
         "the replay ran nothing"
+    );
+}
+
+/// A handler that runs five times longer than the claim's lease keeps the key: the gate renews
+/// the lease while it runs, so the copy on the other partition waits (in progress), then finds
+/// the key completed, and the handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lease_is_renewed_while_a_long_handler_runs() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (topic, group) = (unique("orders"), unique("billing"));
+    broker.create_topic(&topic, 2).await;
+    let batch: Vec<(i32, Option<&str>, &[u8])> =
+        vec![(0, Some("slow-1"), b"{}"), (1, Some("slow-1"), b"{}")];
+    let mut ends = Vec::new();
+    broker::produce(&broker.producer(), &topic, 2, &batch, &mut ends).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.lease(Duration::from_millis(200)).unwrap();
+    let runs = Arc::new(Runs::default());
+    let slow = {
+        let runs = runs.clone();
+        move |msg: Message| {
+            let runs = runs.clone();
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
+                runs.count(&msg.key);
+                Ok(msg.key)
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        }
+    };
+    let consumer = KafkaConsumer::new(gate, config(&broker, &group, &topic)).unwrap();
+    let (stop, task) = spawn(consumer, slow);
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    println!("{stats:?}");
+    assert_eq!(runs.snapshot(), BTreeMap::from([("slow-1".to_owned(), 1)]));
+    assert_eq!((stats.ran, stats.duplicates), (1, 1));
+    assert!(
+        stats.retries > 0,
+        "the copy never found the key in progress"
     );
 }
