@@ -6,7 +6,8 @@
 //! key goes to the dead-letter topic with the reason; two consumers in one group, the second
 //! joining mid-stream (a rebalance), still run each key exactly once; position keys catch a
 //! replay of the same records but run a copy produced again; a handler that outlives its lease
-//! keeps the key, because the gate renews it. Faults (refused commits, the
+//! keeps the key, because the gate renews it; a record in hand when its partition is revoked
+//! is left uncommitted to the next holder, which finds its key completed. Faults (refused commits, the
 //! broker down) are in `kafka_faults.rs`, on librdkafka's mock cluster.
 
 mod common;
@@ -425,5 +426,88 @@ async fn the_lease_is_renewed_while_a_long_handler_runs() {
     assert!(
         stats.retries > 0,
         "the copy never found the key in progress"
+    );
+}
+
+/// A record in hand when its partition is revoked: its run finishes but is not committed here
+/// (abandoned), and the partition's next holder receives it again and finds its key completed.
+/// Nothing is lost, nothing runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_record_in_hand_at_a_revoke_is_left_to_the_next_holder_and_runs_once() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (topic, group) = (unique("orders"), unique("billing"));
+    broker.create_topic(&topic, 2).await;
+    let keys: Vec<String> = (0..10).map(|i| format!("k-{i:02}")).collect();
+    let mut batch: Vec<(i32, Option<&str>, &[u8])> = vec![(0, Some("held"), b"{}")];
+    batch.extend(keys.iter().map(|k| (1, Some(k.as_str()), &b"{}"[..])));
+    let mut ends = Vec::new();
+    broker::produce(&broker.producer(), &topic, 2, &batch, &mut ends).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let runs = Arc::new(Runs::default());
+    let (release, released) = watch::channel(false);
+    let handler = {
+        let runs = runs.clone();
+        move |msg: Message| {
+            let (runs, mut released) = (runs.clone(), released.clone());
+            Box::pin(async move {
+                if msg.key == "held" {
+                    let _ = released.wait_for(|r| *r).await;
+                }
+                runs.count(&msg.key);
+                Ok(msg.key)
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        }
+    };
+    let a = Arc::new(KafkaConsumer::new(gate.clone(), config(&broker, &group, &topic)).unwrap());
+    let (stop, mut stopped) = watch::channel(false);
+    let task_a = tokio::spawn({
+        let (a, handler, mut stopped) = (a.clone(), handler.clone(), stopped.clone());
+        async move {
+            a.run(handler, async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+            .expect("consumer a")
+        }
+    });
+    let started = Instant::now();
+    while runs.snapshot().len() < keys.len() {
+        assert!(started.elapsed() < DEADLINE, "runs: {:?}", runs.snapshot());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // "held" is in hand on the first consumer; the second joins, and the (eager) rebalance
+    // revokes every partition of the first, "held"'s included.
+    let b = KafkaConsumer::new(gate, config(&broker, &group, &topic)).unwrap();
+    let task_b = tokio::spawn(async move {
+        b.run(handler, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await
+        .expect("consumer b")
+    });
+    while a.stats().partitions_revoked == 0 {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "no rebalance: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    release.send(true).unwrap();
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let (stats_a, stats_b) = (task_a.await.unwrap(), task_b.await.unwrap());
+    println!("a: {stats_a:?}\nb: {stats_b:?}");
+    let mut want: BTreeMap<String, u32> = keys.iter().map(|k| (k.clone(), 1)).collect();
+    want.insert("held".into(), 1);
+    assert_eq!(runs.snapshot(), want);
+    assert!(stats_a.abandoned >= 1, "{stats_a:?}");
+    assert_eq!(
+        stats_a.duplicates + stats_b.duplicates,
+        1,
+        "the abandoned record came again as a duplicate"
     );
 }

@@ -55,8 +55,8 @@ pub struct Stats {
     pub dead_lettered: u64,
     /// Records rejected with no dead-letter topic configured: logged and committed past.
     pub dropped: u64,
-    /// Records whose partition was revoked while they were in hand: not committed, left to
-    /// the partition's next holder.
+    /// Records whose partition was revoked while they were in hand (also those whose handler
+    /// ran meanwhile): not committed, left to the partition's next holder.
     pub abandoned: u64,
     /// Partitions assigned to this consumer by the group, counted per assignment.
     pub partitions_assigned: u64,
@@ -375,9 +375,9 @@ where
                 .gate
                 .process_key(Err(why), &record.payload, Attempt::FIRST, handler)
                 .await;
-            if dead_letter(shared, &record, &tp, epoch, Why::of(&handled)).await {
-                shared.partitions.settle(&tp, epoch, record.offset);
-            } else {
+            if !(dead_letter(shared, &record, &tp, epoch, Why::of(&handled)).await
+                && shared.partitions.settle(&tp, epoch, record.offset))
+            {
                 bump(&counters.abandoned);
             }
             return;
@@ -421,7 +421,10 @@ where
             }
         }
     }
-    shared.partitions.settle(&tp, epoch, record.offset);
+    // Revoked while it was processed: its outcome does not count here (see Partitions).
+    if !shared.partitions.settle(&tp, epoch, record.offset) {
+        bump(&counters.abandoned);
+    }
 }
 
 /// Why a record is dead-lettered, owned: the outcome is not held across the publish.
