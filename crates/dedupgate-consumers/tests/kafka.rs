@@ -7,7 +7,8 @@
 //! joining mid-stream (a rebalance), still run each key exactly once; position keys catch a
 //! replay of the same records but run a copy produced again; a handler that outlives its lease
 //! keeps the key, because the gate renews it; a record in hand when its partition is revoked
-//! is left uncommitted to the next holder, which finds its key completed. Faults (refused commits, the
+//! is left uncommitted to the next holder, which finds its key completed; a record failing
+//! every attempt is dead-lettered on attempt `max_attempts`, its headers kept and the reason added. Faults (refused commits, the
 //! broker down) are in `kafka_faults.rs`, on librdkafka's mock cluster.
 
 mod common;
@@ -509,5 +510,86 @@ async fn a_record_in_hand_at_a_revoke_is_left_to_the_next_holder_and_runs_once()
         stats_a.duplicates + stats_b.duplicates,
         1,
         "the abandoned record came again as a duplicate"
+    );
+}
+
+/// A record that fails on every attempt is given up on attempt `max_attempts` (counted in
+/// process): its claim released, it goes to the dead-letter topic with the reason, and the
+/// commits move past it. Nothing is dropped silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_poison_record_is_dead_lettered_on_its_last_attempt() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (topic, group, dlq) = (unique("orders"), unique("billing"), unique("orders-dlq"));
+    broker.create_topic(&topic, 1).await;
+    broker.create_topic(&dlq, 1).await;
+    let batch: Vec<(i32, Option<&str>, &[u8])> =
+        vec![(0, Some("poison"), b"{\"n\":1}"), (0, Some("fine"), b"{}")];
+    let mut ends = Vec::new();
+    broker::produce(&broker.producer(), &topic, 1, &batch, &mut ends).await;
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let gate = gate.max_attempts(3).unwrap();
+    let runs = Arc::new(Runs::default());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (runs, calls) = (runs.clone(), calls.clone());
+        move |msg: Message| {
+            let (runs, calls) = (runs.clone(), calls.clone());
+            Box::pin(async move {
+                if msg.key == "poison" {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    return Err("always fails".to_owned());
+                }
+                runs.count(&msg.key);
+                Ok(msg.key)
+            }) as std::pin::Pin<Box<dyn Future<Output = Result<String, String>> + Send>>
+        }
+    };
+    let config = config(&broker, &group, &topic)
+        .dead_letter_topic(&dlq)
+        .unwrap();
+    let consumer = KafkaConsumer::new(gate, config).unwrap();
+    let (stop, task) = spawn(consumer, handler);
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    println!("{stats:?}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "three attempts, then given up"
+    );
+    assert_eq!(runs.snapshot(), BTreeMap::from([("fine".to_owned(), 1)]));
+    assert_eq!((stats.retries, stats.dead_lettered), (2, 1));
+
+    let reader: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &broker.bootstrap)
+        .set("group.id", unique("dlq-reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    reader.subscribe(&[&dlq]).unwrap();
+    let dead = tokio::time::timeout(DEADLINE, reader.recv())
+        .await
+        .expect("a dead letter within the deadline")
+        .expect("receive");
+    assert_eq!(dead.payload(), Some(&b"{\"n\":1}"[..]));
+    let header = |name: &str| {
+        dead.headers()
+            .and_then(|h| h.iter().find(|h| h.key == name))
+            .and_then(|h| h.value)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    let reason = header(REASON_HEADER).expect("a reason header");
+    assert!(reason.contains("max_attempts reached"), "{reason}");
+    assert!(reason.contains("always fails"), "{reason}");
+    assert_eq!(header("dedupgate-key").as_deref(), Some("poison"));
+    assert_eq!(
+        header("idempotency-key").as_deref(),
+        Some("poison"),
+        "headers kept"
     );
 }
