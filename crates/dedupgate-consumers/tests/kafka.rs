@@ -8,7 +8,8 @@
 //! replay of the same records but run a copy produced again; a handler that outlives its lease
 //! keeps the key, because the gate renews it; a record in hand when its partition is revoked
 //! is left uncommitted to the next holder, which finds its key completed; a record failing
-//! every attempt is dead-lettered on attempt `max_attempts`, its headers kept and the reason added. Faults (refused commits, the
+//! every attempt is dead-lettered on attempt `max_attempts`, its headers kept and the reason added;
+//! a key template over a header and payload fields merges a window's events into one run. Faults (refused commits, the
 //! broker down) are in `kafka_faults.rs`, on librdkafka's mock cluster.
 
 mod common;
@@ -23,9 +24,11 @@ use common::kafka::{self as broker, Broker};
 use common::unique;
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{Consumer, StreamConsumer};
-use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
+use dedupgate_consumers::kafka::rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
+use dedupgate_consumers::kafka::rdkafka::producer::FutureRecord;
 use dedupgate_consumers::kafka::{KafkaConfig, KafkaConsumer, Stats, REASON_HEADER};
 use dedupgate_consumers::Message;
+use dedupgate_core::keys::KeyTemplate;
 use dedupgate_core::Mode;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -592,4 +595,59 @@ async fn a_poison_record_is_dead_lettered_on_its_last_attempt() {
         Some("poison"),
         "headers kept"
     );
+}
+
+/// A key template over the record: a header and payload fields, with a 5-minute window. Two
+/// records of one window are one event (the second is a duplicate, though its payload differs);
+/// the next window's record runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_template_over_headers_and_payload_keys_windowed_events() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (topic, group) = (unique("signals"), unique("traders"));
+    broker.create_topic(&topic, 1).await;
+    let payloads = [
+        r#"{"asset":"BTC","ts":"2026-11-22T10:01:00Z"}"#,
+        r#"{"asset":"BTC","ts":"2026-11-22T10:03:30Z"}"#,
+        r#"{"asset":"BTC","ts":"2026-11-22T10:05:00Z"}"#,
+    ];
+    let producer = broker.producer();
+    let mut ends = vec![0];
+    for payload in payloads {
+        let delivery = producer
+            .send(
+                FutureRecord::<(), str>::to(&topic)
+                    .partition(0)
+                    .payload(payload)
+                    .headers(OwnedHeaders::new().insert(Header {
+                        key: "tenant",
+                        value: Some("acme"),
+                    })),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
+        ends[0] = delivery.offset + 1;
+    }
+
+    let (gate, _dir) = common::gate(Mode::Retriable);
+    let template = KeyTemplate::parse("{headers.tenant}:{asset}_{ts|window:5m}").unwrap();
+    let gate = gate.key_template(template);
+    let runs = Arc::new(Runs::default());
+    let consumer = KafkaConsumer::new(gate, config(&broker, &group, &topic)).unwrap();
+    let (stop, task) = spawn(consumer, counting_handler(runs.clone()));
+    wait_committed(&broker, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    println!("{stats:?}");
+    assert_eq!(
+        runs.snapshot(),
+        BTreeMap::from([
+            ("acme:BTC_2026-11-22T10:00:00Z".to_owned(), 1),
+            ("acme:BTC_2026-11-22T10:05:00Z".to_owned(), 1),
+        ])
+    );
+    assert_eq!((stats.ran, stats.duplicates), (2, 1));
 }
