@@ -183,12 +183,20 @@ impl Client {
     }
 
     fn build(base_url: &str, timeout: Duration) -> Result<Self, ClientError> {
-        let base = base_url.trim_end_matches('/').to_owned();
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
+        let Some(authority) = base_url
+            .strip_prefix("http://")
+            .or_else(|| base_url.strip_prefix("https://"))
+        else {
             return Err(ClientError::Protocol(format!(
                 "server URL {base_url:?} must start with http:// or https://"
             )));
+        };
+        if authority.trim_start_matches('/').is_empty() {
+            return Err(ClientError::Protocol(format!(
+                "server URL {base_url:?} names no host (e.g. http://127.0.0.1:7878)"
+            )));
         }
+        let base = base_url.trim_end_matches('/').to_owned();
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .tcp_nodelay(true)
@@ -563,5 +571,22 @@ mod tests {
         let e = problem_error(StatusCode::BAD_GATEWAY, b"<html>");
         assert_eq!(e.code(), "protocol");
         assert!(Client::new("ftp://x").is_err());
+    }
+
+    #[test]
+    fn a_server_url_without_a_host_is_said_so() {
+        for url in ["http://", "https:///", "http:"] {
+            let said = Client::new(url).err().map(|e| e.to_string());
+            let want = if url == "http:" {
+                "must start with"
+            } else {
+                "names no host"
+            };
+            assert!(
+                said.as_deref().is_some_and(|s| s.contains(want)),
+                "{url}: {said:?}"
+            );
+        }
+        assert!(Client::new("http://127.0.0.1:7878/").is_ok());
     }
 }

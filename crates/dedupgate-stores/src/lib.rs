@@ -129,7 +129,7 @@ pub enum OpenStoreError {
     },
     /// The HTTP store's client would not build (the URL is unusable).
     #[cfg(feature = "http")]
-    #[error("cannot open the HTTP store {spec}: {source}")]
+    #[error("cannot open the HTTP store{}", unless_named(spec, source))]
     Http {
         /// The URL, password redacted.
         spec: String,
