@@ -1,0 +1,252 @@
+//! # dedupgate-relay
+//!
+//! The gate between a source and a sink, without writing Rust: each message a source delivers
+//! is forwarded to a sink once per key, and the source is acked (RabbitMQ, JetStream) or
+//! committed (Kafka) only after the sink confirmed. It is the consumers crate with one handler,
+//! "forward and wait for the confirmation": [`dedupgate_consumers`] decides every outcome and
+//! its broker action; the relay only carries them out.
+//!
+//! - [`Route`]: a source ([`SourceSpec`]), a sink ([`SinkSpec`]), the key (a template, or the
+//!   source's message id), the [`Mode`](dedupgate_core::Mode) (retriable: claim, forward,
+//!   complete, and a failed forward is released and retried; idempotent: mark, then forward, at
+//!   most once), the namespace and ttl, and an optional dead-letter sink. The URL forms are in
+//!   [`route`]'s docs and `docs/relay.md`.
+//! - [`RouteConfig`] and [`RelayConfig`] (`config`): a route as flags or a TOML `[[route]]`
+//!   gives it, checked into a [`Route`] ([`ConfigError`]).
+//! - [`sink`]: the [`Sink`] trait (`send` returns once the destination confirmed) and its
+//!   stdout, file, Kafka, RabbitMQ and JetStream forms, opened by [`sink::open`].
+//! - `source`: one reader per broker; a reject (no usable key, a fingerprint mismatch, a
+//!   forward that failed `max_attempts` times, a failed idempotent forward) goes to the
+//!   dead-letter sink with the reason in headers before the delivery is acked.
+//! - [`Metrics`] (`metrics`): counters per route, served as Prometheus text on `/metrics`.
+//! - [`run`]: every route at once until the shutdown future resolves.
+//!
+//! Brokers are behind the cargo features `kafka`, `rabbitmq` and `nats`; stdout and file sinks
+//! need none. A route whose broker is not built is refused when the relay starts.
+
+mod config;
+pub mod metrics;
+pub mod route;
+pub mod sink;
+mod source;
+
+use std::future::Future;
+
+use dedupgate_consumers::ConsumerGate;
+use dedupgate_core::{Gate, InvalidInput};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+pub use config::{ConfigError, RelayConfig, RouteConfig};
+pub use metrics::Metrics;
+pub use route::{Route, SinkSpec, SourceSpec};
+pub use sink::{Sink, SinkError};
+pub use source::{IN_FLIGHT, KEY_HEADER, REASON_HEADER, ROUTE_HEADER};
+
+/// Why the relay could not start or could not go on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// A route's settings are not usable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A route's gate settings were refused.
+    #[error("route {route:?}: {cause}")]
+    Gate {
+        /// The route.
+        route: String,
+        /// What was refused.
+        cause: InvalidInput,
+    },
+    /// A sink (or dead-letter sink) could not be opened.
+    #[error("route {route:?}: {cause}")]
+    Sink {
+        /// The route.
+        route: String,
+        /// Why.
+        cause: SinkError,
+    },
+    /// A source could not be reached, or stopped.
+    #[error("route {route:?}: {reason}")]
+    Source {
+        /// The route.
+        route: String,
+        /// Why.
+        reason: String,
+    },
+    /// A route's source is a broker this build leaves out.
+    #[error("route {route:?}: this build has no {broker} support (cargo feature off)")]
+    NotBuilt {
+        /// The route.
+        route: String,
+        /// The broker.
+        broker: &'static str,
+    },
+    /// The metrics address cannot be listened on.
+    #[error("metrics: cannot listen on {addr}: {cause}")]
+    Metrics {
+        /// The address.
+        addr: String,
+        /// Why.
+        cause: std::io::Error,
+    },
+}
+
+/// The consumer-side gate of `route`: its namespace, mode, key, ttl and attempts.
+fn consumer_gate(route: &Route, gate: Gate) -> Result<ConsumerGate, RelayError> {
+    let refused = |cause| RelayError::Gate {
+        route: route.name.clone(),
+        cause,
+    };
+    let mut cg = ConsumerGate::new(gate, &route.namespace)
+        .map_err(refused)?
+        .mode(route.mode);
+    if let Some(template) = &route.key {
+        cg = cg.key_template(template.clone());
+    }
+    if let Some(ttl) = route.ttl {
+        cg = cg.ttl(ttl).map_err(refused)?;
+    }
+    if let Some(n) = route.max_attempts {
+        cg = cg.max_attempts(n).map_err(refused)?;
+    }
+    Ok(cg)
+}
+
+/// Relays every route, each over its gate, until `shutdown` resolves (then lets the deliveries
+/// in hand settle and returns the counters) or a route fails (then stops the others and says
+/// why). With `metrics_listen`, `/metrics` is served there meanwhile. Sinks are opened before
+/// any source, so a bad sink fails the start, not the first message.
+pub async fn run(
+    routes: Vec<(Route, Gate)>,
+    metrics_listen: Option<&str>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Metrics, RelayError> {
+    let mut metrics = Metrics::default();
+    let mut ready = Vec::with_capacity(routes.len());
+    for (route, gate) in routes {
+        let cg = consumer_gate(&route, gate)?;
+        let opened = |cause| RelayError::Sink {
+            route: route.name.clone(),
+            cause,
+        };
+        let sink = sink::open(&route.sink).await.map_err(opened)?;
+        let dead_letter = match (&route.source, &route.dead_letter) {
+            // The Kafka consumer dead-letters through its own producer.
+            (SourceSpec::Kafka { .. }, _) | (_, None) => None,
+            (_, Some(spec)) => Some(sink::open(spec).await.map_err(opened)?),
+        };
+        let forward = source::Forward {
+            route: route.name.clone(),
+            sink,
+            dead_letter,
+            metrics: metrics.add(&route.name),
+        };
+        ready.push((route, cg, forward));
+    }
+    let server = match metrics_listen {
+        Some(addr) => {
+            let listener =
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|cause| RelayError::Metrics {
+                        addr: addr.to_owned(),
+                        cause,
+                    })?;
+            if let Ok(local) = listener.local_addr() {
+                tracing::info!("relay: metrics on http://{local}/metrics");
+            }
+            Some(tokio::spawn(metrics::serve(listener, metrics.clone())))
+        }
+        None => None,
+    };
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    for (route, cg, forward) in ready {
+        let stopped = stopped.clone();
+        tracing::info!(route = %route.name, to = %route.sink, "relay: route started");
+        tasks.spawn(run_route(route, cg, forward, stopped));
+    }
+    tokio::pin!(shutdown);
+    let mut failure = None;
+    tokio::select! {
+        () = &mut shutdown => {}
+        Some(joined) = tasks.join_next() => failure = Some(joined),
+    }
+    let _ = stop.send(true);
+    let mut first_error = None;
+    let mut note = |joined: Result<Result<(), RelayError>, tokio::task::JoinError>| match joined {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "relay: route stopped");
+            first_error.get_or_insert(e);
+        }
+        Err(e) => tracing::error!(error = %e, "relay: route task failed"),
+    };
+    if let Some(joined) = failure {
+        note(joined);
+    }
+    while let Some(joined) = tasks.join_next().await {
+        note(joined);
+    }
+    if let Some(server) = server {
+        server.abort();
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(metrics),
+    }
+}
+
+// A build without a broker leaves its arm's bindings unused.
+#[cfg_attr(
+    not(all(feature = "kafka", feature = "rabbitmq", feature = "nats")),
+    allow(unused_variables)
+)]
+async fn run_route(
+    route: Route,
+    gate: ConsumerGate,
+    forward: source::Forward,
+    stopped: watch::Receiver<bool>,
+) -> Result<(), RelayError> {
+    #[cfg(not(all(feature = "kafka", feature = "rabbitmq", feature = "nats")))]
+    let not_built = |broker| RelayError::NotBuilt {
+        route: route.name.clone(),
+        broker,
+    };
+    match &route.source {
+        #[cfg(feature = "kafka")]
+        SourceSpec::Kafka {
+            bootstrap,
+            topic,
+            group,
+        } => {
+            source::kafka::run(
+                gate,
+                bootstrap,
+                topic,
+                group,
+                route.dead_letter.as_ref(),
+                forward,
+                stopped,
+            )
+            .await
+        }
+        #[cfg(not(feature = "kafka"))]
+        SourceSpec::Kafka { .. } => Err(not_built("Kafka")),
+        #[cfg(feature = "rabbitmq")]
+        SourceSpec::Amqp { uri, queue } => {
+            source::rabbitmq::run(gate, uri, queue, forward, stopped).await
+        }
+        #[cfg(not(feature = "rabbitmq"))]
+        SourceSpec::Amqp { .. } => Err(not_built("RabbitMQ")),
+        #[cfg(feature = "nats")]
+        SourceSpec::Nats {
+            server,
+            stream,
+            consumer,
+        } => source::nats::run(gate, server, stream, consumer, forward, stopped).await,
+        #[cfg(not(feature = "nats"))]
+        SourceSpec::Nats { .. } => Err(not_built("NATS")),
+    }
+}

@@ -1,0 +1,176 @@
+//! Counters per route and `/metrics` in Prometheus text format. Names follow
+//! `dedupgate_relay_<noun>_total`; the only label is the route's name (bounded: one per route,
+//! never a key).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// One route's counters.
+#[derive(Debug, Default)]
+pub struct RouteMetrics {
+    /// Deliveries taken from the source (a redelivery counts again).
+    pub records_in: AtomicU64,
+    /// Messages the sink confirmed.
+    pub forwarded: AtomicU64,
+    /// Deliveries whose key was already completed: acked, not forwarded.
+    pub duplicates: AtomicU64,
+    /// Deliveries sent to the dead-letter destination.
+    pub dead_lettered: AtomicU64,
+    /// Rejected deliveries with no dead-letter destination: logged, then acked (Kafka) or
+    /// rejected to the broker (RabbitMQ's dead-letter exchange, if any; JetStream term).
+    pub rejected: AtomicU64,
+    /// Forwards that failed (the sink did not confirm).
+    pub forward_failures: AtomicU64,
+    /// Deliveries put back for later (a failure, a key held elsewhere, the gate unavailable).
+    pub retries: AtomicU64,
+}
+
+impl RouteMetrics {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set(counter: &AtomicU64, value: u64) {
+        counter.store(value, Ordering::Relaxed);
+    }
+}
+
+/// Every route's counters, by route name.
+#[derive(Debug, Default, Clone)]
+pub struct Metrics {
+    routes: Vec<(String, Arc<RouteMetrics>)>,
+}
+
+impl Metrics {
+    /// Adds a route's counters.
+    pub fn add(&mut self, route: &str) -> Arc<RouteMetrics> {
+        let metrics = Arc::new(RouteMetrics::default());
+        self.routes.push((route.to_owned(), metrics.clone()));
+        metrics
+    }
+
+    /// The counters of `route`.
+    pub fn route(&self, route: &str) -> Option<&RouteMetrics> {
+        self.routes
+            .iter()
+            .find(|(name, _)| name == route)
+            .map(|(_, m)| m.as_ref())
+    }
+
+    /// The Prometheus text exposition of every counter.
+    pub fn render(&self) -> String {
+        let families: [(&str, &str, fn(&RouteMetrics) -> &AtomicU64); 7] = [
+            ("records_in", "Deliveries taken from the source.", |m| {
+                &m.records_in
+            }),
+            ("forwarded", "Messages the sink confirmed.", |m| {
+                &m.forwarded
+            }),
+            (
+                "duplicates",
+                "Deliveries of an already completed key: not forwarded.",
+                |m| &m.duplicates,
+            ),
+            (
+                "dead_lettered",
+                "Deliveries sent to the dead-letter destination with the reason.",
+                |m| &m.dead_lettered,
+            ),
+            (
+                "rejected",
+                "Rejected deliveries with no dead-letter destination (logged).",
+                |m| &m.rejected,
+            ),
+            (
+                "forward_failures",
+                "Forwards the sink did not confirm.",
+                |m| &m.forward_failures,
+            ),
+            ("retries", "Deliveries put back for a later attempt.", |m| {
+                &m.retries
+            }),
+        ];
+        let mut out = String::new();
+        for (noun, help, get) in families {
+            let name = format!("dedupgate_relay_{noun}_total");
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (route, m) in &self.routes {
+                let value = get(m).load(Ordering::Relaxed);
+                let _ = writeln!(out, "{name}{{route=\"{}\"}} {value}", escape(route));
+            }
+        }
+        out
+    }
+}
+
+fn escape(label: &str) -> String {
+    label
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Largest request head read: `/metrics` needs only the request line.
+const REQUEST_BYTES_MAX: usize = 8 * 1024;
+
+/// Serves `GET /metrics` on `listener` until the task is dropped. A minimal HTTP/1.0-style
+/// responder (one request per connection): a scrape needs nothing more, and the relay stays free
+/// of an HTTP server stack.
+pub async fn serve(listener: TcpListener, metrics: Metrics) {
+    let metrics = Arc::new(metrics);
+    loop {
+        let Ok((mut socket, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut head = Vec::with_capacity(512);
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < REQUEST_BYTES_MAX {
+                match tokio::time::timeout(std::time::Duration::from_secs(5), socket.read(&mut buf))
+                    .await
+                {
+                    Ok(Ok(n)) if n > 0 => head.extend_from_slice(&buf[..n]),
+                    _ => break,
+                }
+            }
+            let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
+            let response = if line.starts_with(b"GET /metrics ") {
+                let body = metrics.render();
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+            } else {
+                "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    .to_owned()
+            };
+            let _ = socket.write_all(response.as_bytes()).await;
+            let _ = socket.shutdown().await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_lists_every_counter_per_route() {
+        let mut metrics = Metrics::default();
+        let a = metrics.add("a");
+        metrics.add("b\"");
+        RouteMetrics::bump(&a.forwarded);
+        let text = metrics.render();
+        assert!(
+            text.contains("dedupgate_relay_forwarded_total{route=\"a\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("dedupgate_relay_forwarded_total{route=\"b\\\"\"} 0\n"));
+        assert!(text.contains("# TYPE dedupgate_relay_dead_lettered_total counter"));
+    }
+}

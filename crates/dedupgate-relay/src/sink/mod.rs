@@ -1,0 +1,131 @@
+//! [`Sink`]: where a route forwards, and its dead letters go. `send` returns only once the sink
+//! confirmed (a broker's ack, a file's fsync): the relay acks or commits the source after that,
+//! so a confirmed message is never lost and an unconfirmed one is delivered again.
+//!
+//! One file per sink: `stdout` and `file` (JSON lines, [`json_line`]), `kafka` (idempotent
+//! producer), `rabbitmq` (publisher confirms), `nats` (JetStream PubAck).
+
+mod file;
+#[cfg(feature = "kafka")]
+mod kafka;
+#[cfg(feature = "nats")]
+mod nats;
+#[cfg(feature = "rabbitmq")]
+mod rabbitmq;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::route::SinkSpec;
+
+/// The header (Kafka, NATS) or AMQP property that carries the gate key at a broker sink.
+pub const KEY_HEADER: &str = "idempotency-key";
+
+/// A header: name and value bytes.
+pub type Header = (String, Vec<u8>);
+
+/// Why a sink could not be opened or did not confirm.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SinkError {
+    /// The sink cannot be reached or set up.
+    #[error("sink {sink}: cannot open: {reason}")]
+    Open {
+        /// The sink.
+        sink: String,
+        /// Why.
+        reason: String,
+    },
+    /// The sink did not confirm this message (it is retried, or dead-lettered).
+    #[error("sink {sink}: not confirmed: {reason}")]
+    Send {
+        /// The sink.
+        sink: String,
+        /// Why.
+        reason: String,
+    },
+    /// The sink's kind is not in this build (its cargo feature is off).
+    #[error("sink {0}: this build has no support for it (cargo feature off)")]
+    NotBuilt(String),
+}
+
+/// A destination that confirms what it received.
+#[async_trait]
+pub trait Sink: Send + Sync + 'static {
+    /// Sends one message and returns once the destination confirmed it.
+    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError>;
+}
+
+/// Opens the sink `spec` names (connects, for a broker).
+pub async fn open(spec: &SinkSpec) -> Result<Arc<dyn Sink>, SinkError> {
+    match spec {
+        SinkSpec::Stdout => Ok(Arc::new(file::StdoutSink::new())),
+        SinkSpec::File(path) => Ok(Arc::new(file::FileSink::open(path).await?)),
+        #[cfg(feature = "kafka")]
+        SinkSpec::Kafka { bootstrap, topic } => {
+            Ok(Arc::new(kafka::KafkaSink::new(bootstrap, topic)?))
+        }
+        #[cfg(feature = "rabbitmq")]
+        SinkSpec::Amqp {
+            uri,
+            exchange,
+            routing_key,
+        } => Ok(Arc::new(
+            rabbitmq::AmqpSink::connect(uri, exchange, routing_key).await?,
+        )),
+        #[cfg(feature = "nats")]
+        SinkSpec::Nats { server, subject } => {
+            Ok(Arc::new(nats::NatsSink::connect(server, subject).await?))
+        }
+        #[allow(unreachable_patterns)]
+        other => Err(SinkError::NotBuilt(other.to_string())),
+    }
+}
+
+/// One message as a JSON line (no newline, keys sorted): `{"headers":{…},"key":…,"payload":…}`. The payload
+/// is embedded as JSON when it parses as JSON, else as a string when it is UTF-8, else as
+/// `payload_hex`; `headers` only when there are any (a dead letter's reason).
+pub fn json_line(key: &str, payload: &[u8], headers: &[Header]) -> String {
+    let mut line = serde_json::Map::new();
+    line.insert("key".into(), key.into());
+    match serde_json::from_slice::<serde_json::Value>(payload) {
+        Ok(value) => {
+            line.insert("payload".into(), value);
+        }
+        Err(_) => match std::str::from_utf8(payload) {
+            Ok(text) => {
+                line.insert("payload".into(), text.into());
+            }
+            Err(_) => {
+                line.insert("payload_hex".into(), hex::encode(payload).into());
+            }
+        },
+    }
+    if !headers.is_empty() {
+        let headers = headers
+            .iter()
+            .map(|(n, v)| (n.clone(), String::from_utf8_lossy(v).into_owned().into()))
+            .collect();
+        line.insert("headers".into(), serde_json::Value::Object(headers));
+    }
+    serde_json::Value::Object(line).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_embed_json_text_or_hex() {
+        assert_eq!(
+            json_line("k", br#"{"a":1}"#, &[]),
+            r#"{"key":"k","payload":{"a":1}}"#
+        );
+        assert_eq!(json_line("k", b"hi", &[]), r#"{"key":"k","payload":"hi"}"#);
+        assert_eq!(
+            json_line("k", &[0xff], &[("why".into(), b"bad".to_vec())]),
+            r#"{"headers":{"why":"bad"},"key":"k","payload_hex":"ff"}"#
+        );
+    }
+}
