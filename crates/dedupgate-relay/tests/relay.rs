@@ -1,0 +1,563 @@
+//! The relay against real brokers: tansu (a Kafka-protocol broker) started on a free port per
+//! test by the consumers crate's harness, and the machine's RabbitMQ
+//! (`DEDUPGATE_TEST_AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`) and NATS
+//! JetStream (`DEDUPGATE_TEST_NATS_URL`, default `nats://127.0.0.1:4222`). Each test publishes
+//! M messages of which D are copies of earlier keys, relays them, and counts at the sink:
+//! every distinct key exactly once, the source settled (Kafka: committed to the end), and a
+//! message without a usable key dead-lettered with the reason.
+
+// The consumers crate's tansu harness, shared rather than copied; this file uses part of it.
+#[allow(dead_code)]
+#[path = "../../dedupgate-consumers/tests/common/kafka.rs"]
+mod kafka;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
+use dedupgate_consumers::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
+use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
+use dedupgate_core::{Gate, MemoryStore};
+use dedupgate_relay::{Metrics, RelayError, RouteConfig};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Messages published per test, and how many of them copy an earlier key (25%).
+const M: usize = 200;
+const D: usize = 50;
+
+/// The key of message `i`: the first M − D are distinct, the rest repeat earlier ones.
+fn key_of(i: usize) -> String {
+    let distinct = M - D;
+    format!("k-{}", if i < distinct { i } else { (i * 7) % distinct })
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+/// A running relay and the way to stop it.
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<Metrics, RelayError>>,
+}
+
+fn start(route: RouteConfig, metrics_listen: Option<String>) -> Running {
+    let route = route.check(0).expect("route");
+    let gate = Gate::new(MemoryStore::new());
+    let (stop, stopped) = oneshot::channel();
+    let task = tokio::spawn(async move {
+        dedupgate_relay::run(vec![(route, gate)], metrics_listen.as_deref(), async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    Running { stop, task }
+}
+
+impl Running {
+    async fn stop(self) -> Metrics {
+        let _ = self.stop.send(());
+        self.task.await.expect("relay task").expect("relay")
+    }
+}
+
+/// The file sink's lines, by key: how many times each key came.
+fn file_keys(path: &Path) -> BTreeMap<String, usize> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut keys = BTreeMap::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        *keys
+            .entry(v["key"].as_str().expect("key").to_owned())
+            .or_insert(0) += 1;
+    }
+    keys
+}
+
+/// Waits until `done` holds, for up to `within`.
+async fn wait_for(within: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every distinct key exactly once.
+fn assert_each_key_once(keys: &BTreeMap<String, usize>) {
+    let expected: std::collections::BTreeSet<String> = (0..M).map(key_of).collect();
+    assert_eq!(expected.len(), M - D);
+    let got: std::collections::BTreeSet<String> = keys.keys().cloned().collect();
+    assert_eq!(got, expected, "keys at the sink");
+    let twice: Vec<_> = keys.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "keys forwarded more than once: {twice:?}");
+}
+
+/// Produces the M records (and one with no key header) over `partitions`; returns the ends.
+async fn produce_kafka(broker: &kafka::Broker, topic: &str, partitions: i32) -> Vec<i64> {
+    let producer = broker.producer();
+    let keys: Vec<String> = (0..M).map(key_of).collect();
+    let payloads: Vec<String> = keys
+        .iter()
+        .map(|k| format!(r#"{{"id":"{k}","amount":1}}"#))
+        .collect();
+    let mut records: Vec<(i32, Option<&str>, &[u8])> = keys
+        .iter()
+        .zip(&payloads)
+        .enumerate()
+        .map(|(i, (k, p))| ((i as i32) % partitions, Some(k.as_str()), p.as_bytes()))
+        .collect();
+    records.push((0, None, b"{\"no\":\"key\"}"));
+    let mut ends = Vec::new();
+    kafka::produce(&producer, topic, partitions, &records, &mut ends).await;
+    ends
+}
+
+/// Reads every record of `topic` from the start (no group): (key header, Kafka key, headers).
+fn read_topic(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    expected: usize,
+) -> Vec<(String, String, Vec<(String, String)>)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", unique("reader"))
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&tpl).expect("assign");
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Reads on for 2 s after the expected count, so a surplus shows.
+    let mut quiet_until: Option<Instant> = None;
+    while Instant::now() < deadline {
+        if out.len() >= expected {
+            let until = *quiet_until.get_or_insert_with(|| Instant::now() + Duration::from_secs(2));
+            if Instant::now() >= until {
+                break;
+            }
+        }
+        let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
+        let headers: Vec<(String, String)> = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let header = headers
+            .iter()
+            .find(|(n, _)| n == "idempotency-key")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        let key = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
+        out.push((header, key, headers));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kafka_to_file_forwards_each_key_once_commits_the_source_and_dead_letters_a_keyless_record()
+{
+    let Some(broker) = kafka::start() else { return };
+    let (topic, dlq) = ("orders", "orders.dlq");
+    broker.create_topic(topic, 2).await;
+    broker.create_topic(dlq, 1).await;
+    let ends = produce_kafka(&broker, topic, 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let group = unique("relay");
+    let relay = start(
+        RouteConfig {
+            name: Some("orders".into()),
+            from: format!("kafka://{}/{topic}?group={group}", broker.bootstrap),
+            to: format!("file:{}", out.display()),
+            dead_letter: Some(format!("kafka://{}/{dlq}", broker.bootstrap)),
+            ..Default::default()
+        },
+        None,
+    );
+    wait_for(
+        Duration::from_secs(90),
+        "every distinct key at the file sink",
+        || file_keys(&out).len() >= M - D,
+    )
+    .await;
+    // Offsets are committed every 500 ms once settled: wait for them to reach the ends.
+    let bootstrap = broker.bootstrap.clone();
+    let expected_ends: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
+    let committed = tokio::task::spawn_blocking({
+        let group = group.clone();
+        move || {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let c = kafka::committed(&bootstrap, &group, topic, 2);
+                if c == expected_ends || Instant::now() > deadline {
+                    return c;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let metrics = relay.stop().await;
+    assert_each_key_once(&file_keys(&out));
+    assert_eq!(
+        committed,
+        ends.iter().map(|e| Some(*e)).collect::<Vec<_>>(),
+        "source offsets committed to the end"
+    );
+    let m = metrics.route("orders").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(get(&m.forwarded), (M - D) as u64);
+    assert_eq!(get(&m.duplicates), D as u64);
+    assert_eq!(get(&m.dead_lettered), 1);
+    assert_eq!(get(&m.records_in), (M + 1) as u64);
+    let dead = tokio::task::spawn_blocking({
+        let bootstrap = broker.bootstrap.clone();
+        move || read_topic(&bootstrap, dlq, 1, 1)
+    })
+    .await
+    .unwrap();
+    assert_eq!(dead.len(), 1, "one dead letter");
+    let reason = dead[0]
+        .2
+        .iter()
+        .find(|(n, _)| n == dedupgate_relay::REASON_HEADER)
+        .map(|(_, v)| v.clone())
+        .expect("a reason header");
+    assert!(reason.contains("idempotency-key"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kafka_to_kafka_forwards_each_key_once_keyed_and_headed_by_the_gate_key() {
+    let Some(broker) = kafka::start() else { return };
+    let (topic, sink) = ("events", "events.out");
+    broker.create_topic(topic, 2).await;
+    broker.create_topic(sink, 2).await;
+    let ends = produce_kafka(&broker, topic, 2).await;
+    let group = unique("relay");
+    let relay = start(
+        RouteConfig {
+            name: Some("events".into()),
+            from: format!("kafka://{}/{topic}?group={group}", broker.bootstrap),
+            to: format!("kafka://{}/{sink}", broker.bootstrap),
+            // Keyed by a template over the payload this time.
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        None,
+    );
+    let read = tokio::task::spawn_blocking({
+        let bootstrap = broker.bootstrap.clone();
+        move || read_topic(&bootstrap, sink, 2, M - D)
+    })
+    .await
+    .unwrap();
+    let committed = tokio::task::spawn_blocking({
+        let bootstrap = broker.bootstrap.clone();
+        let expected: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
+        let group = group.clone();
+        move || {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let c = kafka::committed(&bootstrap, &group, topic, 2);
+                if c == expected || Instant::now() > deadline {
+                    return c;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let metrics = relay.stop().await;
+    let mut keys = BTreeMap::new();
+    for (header, key, _) in &read {
+        assert_eq!(
+            header, key,
+            "the Kafka key and the idempotency-key header are the gate key"
+        );
+        *keys.entry(header.clone()).or_insert(0) += 1;
+    }
+    assert_each_key_once(&keys);
+    assert_eq!(committed, ends.iter().map(|e| Some(*e)).collect::<Vec<_>>());
+    // The keyless record has no "id" field: the template cannot render, and with no
+    // dead-letter topic it is logged and counted, not forwarded.
+    let m = metrics.route("events").unwrap();
+    assert_eq!(m.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+/// `GET /metrics` on the relay's metrics port; empty while nothing listens there yet.
+async fn scrape(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.unwrap();
+    text
+}
+
+/// A route's counter in a scrape (0 when absent).
+fn counter(text: &str, noun: &str, route: &str) -> u64 {
+    let prefix = format!("dedupgate_relay_{noun}_total{{route=\"{route}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn amqp() -> lapin::Connection {
+    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    dedupgate_consumers::rabbitmq::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("this test needs RabbitMQ at {url}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_to_a_file() {
+    use lapin::options::{
+        BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::FieldTable;
+    use lapin::BasicProperties;
+
+    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let conn = amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let queue = unique("dedupgate-relay");
+    channel
+        .queue_declare(
+            queue.as_str(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for i in 0..=M {
+        let (props, payload) = if i < M {
+            let k = key_of(i);
+            (
+                BasicProperties::default().with_message_id(k.as_str().into()),
+                format!(r#"{{"id":"{k}"}}"#),
+            )
+        } else {
+            (BasicProperties::default(), "no key".to_owned())
+        };
+        let confirm = channel
+            .basic_publish(
+                "",
+                queue.as_str(),
+                BasicPublishOptions::default(),
+                payload.as_bytes(),
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let dead = dir.path().join("dead.jsonl");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let relay = start(
+        RouteConfig {
+            name: Some("amqp".into()),
+            from: format!("{url}?queue={queue}"),
+            to: format!("file:{}", out.display()),
+            dead_letter: Some(format!("file:{}", dead.display())),
+            ..Default::default()
+        },
+        Some(format!("127.0.0.1:{port}")),
+    );
+    // Every delivery settles: forwarded, a duplicate of a completed key, or dead-lettered.
+    // (Copies that found their key in progress were requeued and come back as duplicates.)
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let scrape = loop {
+        let text = scrape(port).await;
+        let settled: u64 = ["forwarded", "duplicates", "dead_lettered"]
+            .iter()
+            .map(|noun| counter(&text, noun, "amqp"))
+            .sum();
+        if settled >= (M + 1) as u64 {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "timed out; metrics:\n{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let metrics = relay.stop().await;
+    // Every delivery was acked: nothing is left, ready or requeued when the relay let go.
+    let left = channel
+        .queue_declare(
+            queue.as_str(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(
+        left, 0,
+        "messages left in the queue after the relay stopped"
+    );
+    channel
+        .queue_delete(queue.as_str(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    assert_each_key_once(&file_keys(&out));
+    let dead_line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&dead).unwrap().trim()).unwrap();
+    assert_eq!(dead_line["payload"], "no key");
+    let reason = dead_line["headers"][dedupgate_relay::REASON_HEADER]
+        .as_str()
+        .unwrap();
+    assert!(reason.contains("message_id"), "{reason}");
+    let m = metrics.route("amqp").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(get(&m.forwarded), (M - D) as u64);
+    assert_eq!(get(&m.duplicates), D as u64);
+    assert_eq!(get(&m.dead_lettered), 1);
+    assert!(scrape.starts_with("HTTP/1.1 200"), "{scrape}");
+    assert!(
+        scrape.contains(&format!(
+            "dedupgate_relay_forwarded_total{{route=\"amqp\"}} {}",
+            M - D
+        )),
+        "{scrape}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_to_jetstream_forwards_each_key_once_with_the_key_as_msg_id() {
+    use async_nats::jetstream::{self, stream};
+    use futures::StreamExt;
+
+    let url =
+        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let client = async_nats::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {url}: {e}"));
+    let js = jetstream::new(client);
+    let (source, sink) = (unique("relay-src"), unique("relay-dst"));
+    for name in [&source, &sink] {
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.>")],
+            // Short, so the sink stream's own window does not hide a second forward of a key
+            // made more than 100 ms after the first; the relay's metrics count every forward.
+            duplicate_window: Duration::from_millis(100),
+            max_age: Duration::from_secs(600),
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+    }
+    // No Nats-Msg-Id at the source: the route keys by a template over the payload, so the
+    // copies reach the relay instead of being dropped by the source stream's window.
+    for i in 0..M {
+        let k = key_of(i);
+        js.publish(format!("{source}.in"), format!(r#"{{"id":"{k}"}}"#).into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let relay = start(
+        RouteConfig {
+            name: Some("nats".into()),
+            from: format!("{url}/{source}?consumer=relay"),
+            to: format!("{url}/{sink}.out"),
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        None,
+    );
+    let mut sink_stream = js.get_stream(&sink).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sink_stream.info().await.unwrap().state.messages < (M - D) as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for the sink stream"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let metrics = relay.stop().await;
+    // Read the sink back: one message per key, each with Nats-Msg-Id = its key.
+    let reader = sink_stream
+        .create_consumer(jetstream::consumer::pull::Config::default())
+        .await
+        .unwrap();
+    let mut messages = reader
+        .fetch()
+        .max_messages(M)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .unwrap();
+    let mut keys = BTreeMap::new();
+    while let Some(Ok(m)) = messages.next().await {
+        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        let id = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+            .map(|v| v.as_str().to_owned());
+        assert_eq!(id.as_deref(), v["id"].as_str(), "Nats-Msg-Id is the key");
+        *keys
+            .entry(v["id"].as_str().unwrap().to_owned())
+            .or_insert(0) += 1;
+    }
+    for name in [&source, &sink] {
+        let _ = js.delete_stream(name).await;
+    }
+    assert_each_key_once(&keys);
+    let m = metrics.route("nats").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        get(&m.forwarded),
+        (M - D) as u64,
+        "forwards (the sink's window would hide a second)"
+    );
+    assert_eq!(get(&m.duplicates), D as u64);
+}
