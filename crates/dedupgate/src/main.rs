@@ -36,6 +36,10 @@ enum Command {
     #[cfg(feature = "proxy")]
     #[command(after_help = commands::help::SERVE)]
     Proxy(commands::proxy::ProxyArgs),
+    /// Forward a source's messages to a sink once per key (Kafka, RabbitMQ, NATS).
+    #[cfg(feature = "relay")]
+    #[command(after_help = commands::help::RELAY)]
+    Relay(commands::relay::RelayArgs),
     /// Run CMD at most once per key within the ttl (the cron gate).
     #[command(after_help = commands::help::RUN)]
     Run(commands::run::RunArgs),
@@ -66,6 +70,8 @@ fn main() -> ExitCode {
         Command::Bench(args) => commands::bench::run(args),
         #[cfg(feature = "proxy")]
         Command::Proxy(args) => commands::proxy::run(args),
+        #[cfg(feature = "relay")]
+        Command::Relay(args) => commands::relay::run(args),
         Command::Run(args) => commands::run::run(args),
         Command::Dedup(args) => commands::dedup::run(args),
         Command::Id(args) => commands::id::run(args),

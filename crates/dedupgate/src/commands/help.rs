@@ -9,6 +9,24 @@ Exit status:
   1      could not start (address in use, store, config file, a bad flag value) or failed
   2      usage error (an unknown flag, a missing value)";
 
+/// `relay` (a build without `relay` has no relay subcommand).
+#[cfg_attr(not(feature = "relay"), allow(dead_code))]
+pub const RELAY: &str = "\
+Source and sink URLs:
+  kafka://HOST:PORT[,HOST:PORT]/TOPIC?group=G      source: a consumer group of TOPIC
+  kafka://HOST:PORT/TOPIC                          sink: idempotent producer, key = gate key
+  amqp://USER:PASS@HOST:PORT/VHOST?queue=Q         source: a RabbitMQ queue
+  amqp://…/VHOST?exchange=X&routing_key=K          sink: publish with confirms
+  nats://HOST:PORT/STREAM?consumer=C               source: a JetStream durable pull consumer
+  nats://HOST:PORT/SUBJECT                         sink: JetStream, Nats-Msg-Id = gate key
+  stdout:   file:PATH                              sinks: JSON lines (file: fsync'd)
+The source is acked or committed only after the sink confirmed (docs/relay.md).
+
+Exit status:
+  0      stopped by SIGINT or SIGTERM, after the deliveries in hand settled
+  1      could not start (a bad URL or route, store, broker unreachable) or a route failed
+  2      usage error (an unknown flag, a missing value)";
+
 /// `bench` (a build without `http-client` has no bench; its help is still checked).
 #[cfg_attr(not(feature = "http-client"), allow(dead_code))]
 pub const BENCH: &str = "\

@@ -1,7 +1,7 @@
 //! One module per subcommand.
 //!
-//! `bench` needs the `http-client` feature and `proxy` the `proxy` feature: a build without
-//! them has no such subcommand.
+//! `bench` needs the `http-client` feature, `proxy` the `proxy` feature and `relay` the
+//! `relay` feature: a build without them has no such subcommand.
 
 pub mod api;
 pub mod audit;
@@ -13,6 +13,8 @@ pub mod id;
 pub mod pipeline;
 #[cfg(feature = "proxy")]
 pub mod proxy;
+#[cfg(feature = "relay")]
+pub mod relay;
 pub mod run;
 pub mod serve;
 
@@ -93,7 +95,7 @@ pub fn init_tracing() {
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM: the signal that starts a graceful shutdown of the
-/// long-running subcommands (`serve`, `proxy`).
+/// long-running subcommands (`serve`, `proxy`, `relay`).
 pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

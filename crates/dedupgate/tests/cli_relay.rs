@@ -1,0 +1,200 @@
+//! `dedupgate relay` as a user runs it: bad URLs are refused at start with a message that
+//! names the URL and what is wrong (exit 1; a missing flag is a usage error, exit 2), and a
+//! RabbitMQ queue of 40 messages, 10 of them copies, relayed to stdout comes out one line per
+//! key, every message acked, and SIGTERM stops it with exit 0 (against the machine's RabbitMQ,
+//! `DEDUPGATE_TEST_AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::BasicProperties;
+
+fn relay(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .arg("relay")
+        .args(args)
+        .output()
+        .expect("run dedupgate")
+}
+
+#[test]
+fn bad_urls_exit_1_with_a_message_naming_the_url_and_the_problem() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--from", "http://h/x", "--to", "stdout:"],
+            "unknown source scheme \"http\"",
+        ),
+        (
+            &["--from", "kafka://127.0.0.1:9/t", "--to", "stdout:"],
+            "group= is required",
+        ),
+        (
+            &["--from", "amqp://h/%2f", "--to", "stdout:"],
+            "queue= is required",
+        ),
+        (
+            &["--from", "nats://h:4222/S?consumer=c", "--to", "s3://b/k"],
+            "unknown sink scheme \"s3\"",
+        ),
+        (
+            &["--from", "nats://h:4222/S?consumer=c", "--to", "file:"],
+            "no path",
+        ),
+        (
+            &[
+                "--from",
+                "kafka://a:1/t?group=g",
+                "--to",
+                "stdout:",
+                "--dead-letter",
+                "file:/tmp/x",
+            ],
+            "its own cluster",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut all = args.to_vec();
+        all.extend(["--store", "memory:"]);
+        let out = relay(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(stderr.starts_with("dedupgate: "), "{args:?}: {stderr}");
+        // No Rust type names or debug output.
+        for noise in ["Error {", "::", "Some(", "Url {"] {
+            assert!(!stderr.contains(noise), "{args:?}: {stderr}");
+        }
+    }
+    // A missing --to is a usage error.
+    let out = relay(&["--from", "kafka://h:1/t?group=g"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn rabbitmq_to_stdout_prints_each_key_once_and_stops_cleanly_on_sigterm() {
+    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let queue = format!("dedupgate-cli-relay-{}", std::process::id());
+    let (total, distinct) = (40usize, 30usize);
+    let channel = runtime.block_on(async {
+        let conn = dedupgate_consumers::rabbitmq::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("this test needs RabbitMQ at {url}: {e}"));
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        channel
+            .queue_declare(
+                queue.as_str(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        for i in 0..total {
+            let key = format!("order-{}", i % distinct);
+            let props = BasicProperties::default().with_message_id(key.as_str().into());
+            let body = format!(r#"{{"order":"{key}"}}"#);
+            let confirm = channel
+                .basic_publish(
+                    "",
+                    queue.as_str(),
+                    BasicPublishOptions::default(),
+                    body.as_bytes(),
+                    props,
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+        }
+        std::mem::forget(conn);
+        channel
+    });
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+        .args([
+            "relay",
+            "--from",
+            &format!("{url}?queue={queue}"),
+            "--to",
+            "stdout:",
+        ])
+        .args(["--store", "memory:"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut keys = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Until every key came, then 1 s more so a second copy would show.
+    let mut quiet_until = None;
+    loop {
+        if keys.len() == distinct {
+            let until = *quiet_until.get_or_insert_with(|| Instant::now() + Duration::from_secs(1));
+            if Instant::now() >= until {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "timed out: {keys:?}");
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
+            let v: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+            assert_eq!(v["payload"]["order"], v["key"], "{line}");
+            *keys
+                .entry(v["key"].as_str().unwrap().to_owned())
+                .or_insert(0) += 1;
+        }
+    }
+    // Copies that met their key in progress are requeued for a moment: let them settle.
+    std::thread::sleep(Duration::from_secs(2));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    let left = runtime.block_on(async {
+        let q = channel
+            .queue_declare(
+                queue.as_str(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _ = channel
+            .queue_delete(queue.as_str(), QueueDeleteOptions::default())
+            .await;
+        q.message_count()
+    });
+    assert_eq!(status.code(), Some(0), "exit after SIGTERM");
+    assert_eq!(keys.len(), distinct);
+    assert!(
+        keys.values().all(|n| *n == 1),
+        "a key printed twice: {keys:?}"
+    );
+    assert_eq!(left, 0, "every message acked");
+}
