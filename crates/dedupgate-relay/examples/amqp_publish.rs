@@ -57,6 +57,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         println!("published {id}");
     }
-    conn.close(200, "done".into()).await?;
+    conn.close(200, "done").await?;
     Ok(())
 }

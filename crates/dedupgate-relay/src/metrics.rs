@@ -39,6 +39,9 @@ impl RouteMetrics {
     }
 }
 
+/// One counter family: its noun, its help text, and which counter of a route it reads.
+type Family = (&'static str, &'static str, fn(&RouteMetrics) -> &AtomicU64);
+
 /// Every route's counters, by route name.
 #[derive(Debug, Default, Clone)]
 pub struct Metrics {
@@ -63,7 +66,7 @@ impl Metrics {
 
     /// The Prometheus text exposition of every counter.
     pub fn render(&self) -> String {
-        let families: [(&str, &str, fn(&RouteMetrics) -> &AtomicU64); 7] = [
+        let families: [Family; 7] = [
             ("records_in", "Deliveries taken from the source.", |m| {
                 &m.records_in
             }),

@@ -120,13 +120,11 @@ async fn produce_kafka(broker: &kafka::Broker, topic: &str, partitions: i32) -> 
     ends
 }
 
+/// A record read back: its `idempotency-key` header, its Kafka key, and all its headers.
+type Read = (String, String, Vec<(String, String)>);
+
 /// Reads every record of `topic` from the start (no group): (key header, Kafka key, headers).
-fn read_topic(
-    bootstrap: &str,
-    topic: &str,
-    partitions: i32,
-    expected: usize,
-) -> Vec<(String, String, Vec<(String, String)>)> {
+fn read_topic(bootstrap: &str, topic: &str, partitions: i32, expected: usize) -> Vec<Read> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", unique("reader"))

@@ -88,7 +88,7 @@ pub(crate) async fn run(
         }
     }
     while tasks.join_next().await.is_some() {}
-    let _ = channel.close(200, "relay stopping".into()).await;
-    let _ = connection.close(200, "relay stopping".into()).await;
+    let _ = channel.close(200, "relay stopping").await;
+    let _ = connection.close(200, "relay stopping").await;
     outcome
 }
