@@ -567,3 +567,92 @@ async fn nats_to_jetstream_forwards_each_key_once_with_the_key_as_msg_id() {
     assert_eq!(get(&m.forwarded), (M - D) as u64);
     assert_eq!(get(&m.duplicates), D as u64);
 }
+
+/// A forward that keeps failing (the sink is `/dev/full`: every write is ENOSPC) is retried
+/// until its `max_attempts`-th delivery, then dead-lettered with the error; in idempotent mode
+/// the first failure is dead-lettered (marked first: never retried). Nothing is left unsettled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_forwards_are_dead_lettered_after_max_attempts_or_at_once_when_idempotent() {
+    use async_nats::jetstream::{self, stream};
+
+    let url =
+        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let client = async_nats::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {url}: {e}"));
+    let js = jetstream::new(client);
+    let dir = tempfile::tempdir().unwrap();
+    for (mode, max_attempts, deliveries) in [("retriable", Some(2), 2u64), ("idempotent", None, 1)]
+    {
+        let source = unique("relay-fail");
+        js.create_stream(stream::Config {
+            name: source.clone(),
+            subjects: vec![format!("{source}.>")],
+            max_age: Duration::from_secs(600),
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+        let n = 5;
+        for i in 0..n {
+            js.publish(
+                format!("{source}.in"),
+                format!(r#"{{"id":"f-{i}"}}"#).into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+        let dead = dir.path().join(format!("{mode}.dead.jsonl"));
+        let relay = start(
+            RouteConfig {
+                name: Some(mode.into()),
+                from: format!("{url}/{source}?consumer=relay"),
+                to: "file:/dev/full".into(),
+                key: Some("{id}".into()),
+                mode: Some(mode.into()),
+                dead_letter: Some(format!("file:{}", dead.display())),
+                max_attempts,
+                ..Default::default()
+            },
+            None,
+        );
+        wait_for(
+            Duration::from_secs(30),
+            "every message dead-lettered",
+            || file_keys(&dead).len() == n,
+        )
+        .await;
+        let metrics = relay.stop().await;
+        let _ = js.delete_stream(&source).await;
+        let text = std::fs::read_to_string(&dead).unwrap();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let reason = v["headers"][dedupgate_relay::REASON_HEADER]
+                .as_str()
+                .unwrap();
+            assert!(reason.contains("No space left"), "{mode}: {reason}");
+            assert_eq!(
+                v["headers"][dedupgate_relay::KEY_HEADER],
+                v["key"],
+                "{mode}: {line}"
+            );
+        }
+        assert_each_line_once(&file_keys(&dead), n, mode);
+        let m = metrics.route(mode).unwrap();
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(get(&m.forwarded), 0, "{mode}");
+        assert_eq!(get(&m.dead_lettered), n as u64, "{mode}");
+        assert_eq!(
+            get(&m.forward_failures),
+            n as u64 * deliveries,
+            "{mode}: forwards tried per message"
+        );
+    }
+}
+
+fn assert_each_line_once(keys: &BTreeMap<String, usize>, n: usize, what: &str) {
+    assert_eq!(keys.len(), n, "{what}: {keys:?}");
+    assert!(keys.values().all(|c| *c == 1), "{what}: {keys:?}");
+}
