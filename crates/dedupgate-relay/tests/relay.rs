@@ -339,7 +339,8 @@ async fn amqp() -> lapin::Connection {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_to_a_file() {
+async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_keyless_and_mismatched_messages_to_a_file(
+) {
     use lapin::options::{
         BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
     };
@@ -363,15 +364,21 @@ async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_to_a_
         )
         .await
         .unwrap();
-    for i in 0..=M {
+    // M messages, then one with no message id and one reusing k-0's id for another payload.
+    for i in 0..M + 2 {
         let (props, payload) = if i < M {
             let k = key_of(i);
             (
                 BasicProperties::default().with_message_id(k.as_str().into()),
                 format!(r#"{{"id":"{k}"}}"#),
             )
-        } else {
+        } else if i == M {
             (BasicProperties::default(), "no key".to_owned())
+        } else {
+            (
+                BasicProperties::default().with_message_id("k-0".into()),
+                r#"{"id":"k-0","amount":"changed"}"#.to_owned(),
+            )
         };
         let confirm = channel
             .basic_publish(
@@ -414,7 +421,7 @@ async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_to_a_
             .iter()
             .map(|noun| counter(&text, noun, "amqp"))
             .sum();
-        if settled >= (M + 1) as u64 {
+        if settled >= (M + 2) as u64 {
             break text;
         }
         assert!(Instant::now() < deadline, "timed out; metrics:\n{text}");
@@ -443,18 +450,31 @@ async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_to_a_
         .await
         .unwrap();
     assert_each_key_once(&file_keys(&out));
-    let dead_line: serde_json::Value =
-        serde_json::from_str(std::fs::read_to_string(&dead).unwrap().trim()).unwrap();
-    assert_eq!(dead_line["payload"], "no key");
-    let reason = dead_line["headers"][dedupgate_relay::REASON_HEADER]
-        .as_str()
-        .unwrap();
-    assert!(reason.contains("message_id"), "{reason}");
+    let dead_lines: Vec<serde_json::Value> = std::fs::read_to_string(&dead)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(dead_lines.len(), 2, "{dead_lines:?}");
+    let reason_of = |payload: serde_json::Value| {
+        let line = dead_lines
+            .iter()
+            .find(|l| l["payload"] == payload)
+            .unwrap_or_else(|| panic!("no dead letter of {payload}: {dead_lines:?}"));
+        line["headers"][dedupgate_relay::REASON_HEADER]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let no_key = reason_of("no key".into());
+    assert!(no_key.contains("message_id"), "{no_key}");
+    let mismatch = reason_of(serde_json::json!({"id": "k-0", "amount": "changed"}));
+    assert!(mismatch.contains("payload"), "{mismatch}");
     let m = metrics.route("amqp").unwrap();
     let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(get(&m.forwarded), (M - D) as u64);
     assert_eq!(get(&m.duplicates), D as u64);
-    assert_eq!(get(&m.dead_lettered), 1);
+    assert_eq!(get(&m.dead_lettered), 2);
     assert!(scrape.starts_with("HTTP/1.1 200"), "{scrape}");
     assert!(
         scrape.contains(&format!(
