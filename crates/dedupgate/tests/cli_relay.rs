@@ -72,9 +72,35 @@ fn bad_urls_exit_1_with_a_message_naming_the_url_and_the_problem() {
             assert!(!stderr.contains(noise), "{args:?}: {stderr}");
         }
     }
-    // A missing --to is a usage error.
+    // A missing --to is a usage error, and so are route flags beside --config.
     let out = relay(&["--from", "kafka://h:1/t?group=g"]);
     assert_eq!(out.status.code(), Some(2));
+    let out = relay(&["--config", "relay.toml", "--from", "kafka://h:1/t?group=g"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn a_config_file_with_a_bad_route_or_field_exits_1_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "[[route]]\nname = \"orders\"\nfrom = \"kafka://h:1/t?group=g\"\nto = \"stdout:\"\nmode = \"twice\"\n",
+            "route \"orders\": mode",
+        ),
+        (
+            "[[route]]\nfrom = \"kafka://h:1/t?group=g\"\nto = \"stdout:\"\nsink = \"x\"\n",
+            "unknown field `sink`",
+        ),
+        ("metrics_listen = \"127.0.0.1:0\"\n", "no route"),
+    ];
+    for (i, (text, expected)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("relay-{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = relay(&["--config", path.to_str().unwrap(), "--store", "memory:"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{text}: {stderr}");
+        assert!(stderr.contains(expected), "{text}: {stderr}");
+    }
 }
 
 #[test]
