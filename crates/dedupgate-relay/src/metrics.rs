@@ -1,5 +1,5 @@
 //! Counters per route and `/metrics` in Prometheus text format. Names follow
-//! `dedupgate_relay_<noun>_total`; the only label is the route's name (bounded: one per route,
+//! `dedupgate_relay_<noun>_total` (and the gauge `dedupgate_relay_kafka_lag_records`); the only label is the route's name (bounded: one per route,
 //! never a key).
 
 use std::fmt::Write as _;
@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 /// One route's counters.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RouteMetrics {
     /// Deliveries taken from the source (a redelivery counts again).
     pub records_in: AtomicU64,
@@ -27,9 +27,41 @@ pub struct RouteMetrics {
     pub forward_failures: AtomicU64,
     /// Deliveries put back for later (a failure, a key held elsewhere, the gate unavailable).
     pub retries: AtomicU64,
+    /// Kafka sources: records past the group's committed offsets at the last read; `u64::MAX`
+    /// until read (and for other sources), when it is not exported.
+    pub kafka_lag: AtomicU64,
 }
 
+impl Default for RouteMetrics {
+    fn default() -> Self {
+        Self {
+            records_in: AtomicU64::new(0),
+            forwarded: AtomicU64::new(0),
+            duplicates: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+            forward_failures: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            kafka_lag: AtomicU64::new(LAG_UNKNOWN),
+        }
+    }
+}
+
+/// [`RouteMetrics::kafka_lag`] before it is read.
+const LAG_UNKNOWN: u64 = u64::MAX;
+
 impl RouteMetrics {
+    /// The Kafka lag last read, when one was.
+    pub fn kafka_lag(&self) -> Option<u64> {
+        Some(self.kafka_lag.load(Ordering::Relaxed)).filter(|v| *v != LAG_UNKNOWN)
+    }
+
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+    pub(crate) fn set_kafka_lag(&self, lag: u64) {
+        self.kafka_lag
+            .store(lag.min(LAG_UNKNOWN - 1), Ordering::Relaxed);
+    }
+
     pub(crate) fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -106,6 +138,16 @@ impl Metrics {
                 let _ = writeln!(out, "{name}{{route=\"{}\"}} {value}", escape(route));
             }
         }
+        let lag = "dedupgate_relay_kafka_lag_records";
+        let _ = writeln!(
+            out,
+            "# HELP {lag} Records past the consumer group's committed offsets (Kafka routes).\n# TYPE {lag} gauge"
+        );
+        for (route, m) in &self.routes {
+            if let Some(value) = m.kafka_lag() {
+                let _ = writeln!(out, "{lag}{{route=\"{}\"}} {value}", escape(route));
+            }
+        }
         out
     }
 }
@@ -175,5 +217,13 @@ mod tests {
         );
         assert!(text.contains("dedupgate_relay_forwarded_total{route=\"b\\\"\"} 0\n"));
         assert!(text.contains("# TYPE dedupgate_relay_dead_lettered_total counter"));
+        assert!(
+            !text.contains("dedupgate_relay_kafka_lag_records{"),
+            "{text}"
+        );
+        a.set_kafka_lag(7);
+        assert!(metrics
+            .render()
+            .contains("dedupgate_relay_kafka_lag_records{route=\"a\"} 7\n"));
     }
 }

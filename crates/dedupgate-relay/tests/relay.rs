@@ -232,6 +232,8 @@ async fn kafka_to_file_forwards_each_key_once_commits_the_source_and_dead_letter
     assert_eq!(get(&m.duplicates), D as u64);
     assert_eq!(get(&m.dead_lettered), 1);
     assert_eq!(get(&m.records_in), (M + 1) as u64);
+    // Read after the final commit: nothing is left past the group's offsets.
+    assert_eq!(m.kafka_lag(), Some(0), "the group's lag");
     let dead = tokio::task::spawn_blocking({
         let bootstrap = broker.bootstrap.clone();
         move || read_topic(&bootstrap, dlq, 1, 1)

@@ -2,7 +2,8 @@
 //! and the consumer commits a partition's offsets only past records whose outcome settled
 //! (forwarded, duplicate, or dead-lettered to the route's dead-letter topic, which
 //! [`RouteConfig::check`](crate::RouteConfig::check) keeps on the source's cluster). The
-//! consumer's counters are copied into the route's metrics every [`STATS_EVERY`].
+//! consumer's counters are copied into the route's metrics every [`STATS_EVERY`], and the
+//! group's lag read every 5 s (`kafka_lag`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +12,7 @@ use dedupgate_consumers::kafka::{KafkaConfig, KafkaConsumer, Stats};
 use dedupgate_consumers::ConsumerGate;
 use tokio::sync::watch;
 
+use super::kafka_lag::{LagReader, LAG_EVERY};
 use super::Forward;
 use crate::metrics::RouteMetrics;
 use crate::route::SinkSpec;
@@ -58,6 +60,23 @@ pub(crate) async fn run(
             }
         })
     };
+    let lag = match LagReader::new(bootstrap, group, topic) {
+        Ok(reader) => Some(Arc::new(reader)),
+        Err(e) => {
+            tracing::warn!(error = %e, "relay: kafka lag is not measured");
+            None
+        }
+    };
+    let lag_task = lag.clone().map(|reader| {
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(LAG_EVERY);
+            loop {
+                every.tick().await;
+                read_lag(&reader, &metrics).await;
+            }
+        })
+    });
     let handler = forward.handler();
     let ran = consumer
         .run(handler, async move {
@@ -66,7 +85,23 @@ pub(crate) async fn run(
         .await;
     copier.abort();
     copy(&metrics, consumer.stats());
+    if let Some(task) = lag_task {
+        task.abort();
+    }
+    // Once more after the final commit, so the last value says what is left.
+    if let Some(reader) = lag {
+        read_lag(&reader, &metrics).await;
+    }
     ran.map(|_| ()).map_err(|e| failed(e.to_string()))
+}
+
+async fn read_lag(reader: &Arc<LagReader>, metrics: &RouteMetrics) {
+    let reader = reader.clone();
+    match tokio::task::spawn_blocking(move || reader.read()).await {
+        Ok(Ok(lag)) => metrics.set_kafka_lag(lag),
+        Ok(Err(e)) => tracing::debug!(error = %e, "relay: kafka lag not read"),
+        Err(e) => tracing::debug!(error = %e, "relay: kafka lag task failed"),
+    }
 }
 
 fn copy(metrics: &RouteMetrics, stats: Stats) {

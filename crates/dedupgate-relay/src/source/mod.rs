@@ -9,6 +9,8 @@
 
 #[cfg(feature = "kafka")]
 pub(crate) mod kafka;
+#[cfg(feature = "kafka")]
+mod kafka_lag;
 #[cfg(feature = "nats")]
 pub(crate) mod nats;
 #[cfg(feature = "rabbitmq")]
