@@ -129,5 +129,28 @@ impl Forward {
     }
 }
 
+/// How long the deliveries in hand may settle after the relay was told to stop (as the Kafka
+/// consumer's default grace): a retry's delay (up to 60 s) is waited out before its requeue, so
+/// waiting for all could hold a shutdown for a minute. Those cut short are redelivered by the
+/// broker (AMQP: when the channel closes; JetStream: after the ack wait).
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+pub(crate) const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits for `tasks` for up to [`SHUTDOWN_GRACE`], then aborts what is left.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
+pub(crate) async fn drain(route: &str, tasks: &mut tokio::task::JoinSet<()>) {
+    let grace = tokio::time::sleep(SHUTDOWN_GRACE);
+    tokio::pin!(grace);
+    while !tasks.is_empty() {
+        tokio::select! {
+            _ = tasks.join_next() => {}
+            () = &mut grace => {
+                tracing::warn!(route, in_hand = tasks.len(), "relay: deliveries still in hand at shutdown are left to the broker to redeliver");
+                tasks.shutdown().await;
+            }
+        }
+    }
+}
+
 /// How long a delivery waits when its dead letter could not be sent.
 const DEAD_LETTER_RETRY: std::time::Duration = std::time::Duration::from_secs(1);

@@ -99,6 +99,6 @@ pub(crate) async fn run(
             },
         }
     }
-    while tasks.join_next().await.is_some() {}
+    super::drain(&forward.route, &mut tasks).await;
     outcome
 }

@@ -1,8 +1,9 @@
 //! RabbitMQ source: a consumer on one queue, with a prefetch of [`IN_FLIGHT`]; each delivery
 //! is processed in a task of its own through [`ConsumerGate::process`] and settled with
 //! [`rabbitmq::settle`] (a requeue's delay included), so the queue is acked only after the sink
-//! confirmed. On shutdown the consumer stops, the deliveries in hand settle, and the channel
-//! closes (the broker requeues anything unacked).
+//! confirmed. On shutdown the consumer stops, the deliveries in hand settle (for up to
+//! [`SHUTDOWN_GRACE`](super::SHUTDOWN_GRACE)), and the channel closes (the broker requeues
+//! anything unacked).
 
 use dedupgate_consumers::{rabbitmq, ConsumerGate};
 use futures::StreamExt;
@@ -87,7 +88,7 @@ pub(crate) async fn run(
             },
         }
     }
-    while tasks.join_next().await.is_some() {}
+    super::drain(&forward.route, &mut tasks).await;
     let _ = channel.close(200, "relay stopping").await;
     let _ = connection.close(200, "relay stopping").await;
     outcome
