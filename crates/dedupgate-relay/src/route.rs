@@ -189,8 +189,25 @@ impl<'a> Parts<'a> {
 
 fn bad(url: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Url {
-        url: url.to_owned(),
+        url: redacted(url),
         reason: reason.into(),
+    }
+}
+
+/// `url` with the password of its `user:password@` part, if any, replaced by `***`: errors
+/// are printed and logged.
+fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            format!("{scheme}://{user}:***@{host}{tail}")
+        }
+        None => url.to_owned(),
     }
 }
 
@@ -369,6 +386,11 @@ mod tests {
         assert!(err("kafka://h:1").contains("no topic"));
         assert!(err("kafka://h:1/t?group=g&x=1").contains("unknown parameter \"x\""));
         assert!(err("amqp://h/%2f").contains("queue= is required"));
+        let secret = err("amqp://guest:s3cret@h/%2f");
+        assert!(
+            secret.contains("amqp://guest:***@h/%2f") && !secret.contains("s3cret"),
+            "{secret}"
+        );
         assert!(err("nats://h/S").contains("consumer= is required"));
         assert!(err("http://h/x").contains("unknown source scheme \"http\""));
         assert!(err("orders").contains("a source is"));

@@ -55,7 +55,7 @@ pub struct RelayArgs {
     /// TOML file of [[route]] tables (and metrics_listen) instead of the route flags.
     #[arg(long, conflicts_with_all = ["from", "to", "key", "mode", "namespace", "ttl", "dead_letter", "max_attempts", "name"])]
     config: Option<PathBuf>,
-    /// Serve Prometheus /metrics on this address (127.0.0.1:9464).
+    /// Serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464 [default: off].
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
 }
