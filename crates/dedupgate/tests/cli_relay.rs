@@ -224,3 +224,168 @@ fn rabbitmq_to_stdout_prints_each_key_once_and_stops_cleanly_on_sigterm() {
     );
     assert_eq!(left, 0, "every message acked");
 }
+
+/// Publishes `ids` (as message ids and payloads) to `queue`, declared if missing, confirmed.
+async fn publish(channel: &lapin::Channel, queue: &str, ids: &[String]) {
+    channel
+        .queue_declare(queue, QueueDeclareOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    for id in ids {
+        let body = format!(r#"{{"id":"{id}"}}"#);
+        let confirm = channel
+            .basic_publish(
+                "",
+                queue,
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default().with_message_id(id.as_str().into()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack());
+    }
+}
+
+fn lines(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Two routes of one `--config` file, sharing one embedded store, each forward their queue's
+/// keys once; after a restart, the same messages published again are all duplicates (the
+/// store is durable), so the files do not grow.
+#[test]
+fn a_config_of_two_routes_over_one_embedded_store_remembers_keys_across_a_restart() {
+    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let dir = tempfile::tempdir().unwrap();
+    let pid = std::process::id();
+    let queues = [
+        format!("dedupgate-cli-a-{pid}"),
+        format!("dedupgate-cli-b-{pid}"),
+    ];
+    let outs = [dir.path().join("a.jsonl"), dir.path().join("b.jsonl")];
+    let config = dir.path().join("relay.toml");
+    let mut text = format!(
+        "[[route]]\nname = \"a\"\nfrom = \"{url}?queue={}\"\nto = \"file:{}\"\nstore = \"{}\"\n",
+        queues[0],
+        outs[0].display(),
+        dir.path().join("gate").display()
+    );
+    text += &format!(
+        "[[route]]\nname = \"b\"\nfrom = \"{url}?queue={}\"\nto = \"file:{}\"\nstore = \"{}\"\n",
+        queues[1],
+        outs[1].display(),
+        dir.path().join("gate").display()
+    );
+    std::fs::write(&config, text).unwrap();
+    // 12 messages per queue, 8 distinct ids; the two routes' namespaces differ, so the same
+    // ids in both queues are forwarded by each.
+    let ids: Vec<String> = (0..12).map(|i| format!("id-{}", i % 8)).collect();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (conn, channel) = runtime.block_on(async {
+        let conn = dedupgate_consumers::rabbitmq::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("this test needs RabbitMQ at {url}: {e}"));
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        (conn, channel)
+    });
+    for round in 0..2 {
+        runtime.block_on(async {
+            for q in &queues {
+                publish(&channel, q, &ids).await;
+            }
+        });
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dedupgate"))
+            .args(["relay", "--config", config.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Until both queues are drained (ready and unacked: the consumer count is ours alone).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready: u32 = runtime.block_on(async {
+                let mut n = 0;
+                for q in &queues {
+                    n += channel
+                        .queue_declare(
+                            q.as_str(),
+                            QueueDeclareOptions {
+                                passive: true,
+                                ..Default::default()
+                            },
+                            FieldTable::default(),
+                        )
+                        .await
+                        .unwrap()
+                        .message_count();
+                }
+                n
+            });
+            let forwarded = outs.iter().all(|o| lines(o).len() >= 8);
+            if ready == 0 && forwarded {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: {ready} ready, files {:?}",
+                outs.iter().map(|o| lines(o).len()).collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Requeued copies (their key was in progress) come back within a second or so.
+        std::thread::sleep(Duration::from_secs(2));
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        assert_eq!(child.wait().unwrap().code(), Some(0), "round {round}");
+        for out in &outs {
+            let mut keys: Vec<String> = lines(out)
+                .iter()
+                .map(|l| {
+                    serde_json::from_str::<serde_json::Value>(l).unwrap()["key"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned()
+                })
+                .collect();
+            keys.sort();
+            let expected: Vec<String> = (0..8).map(|i| format!("id-{i}")).collect();
+            assert_eq!(keys, expected, "round {round}: {}", out.display());
+        }
+    }
+    runtime.block_on(async {
+        for q in &queues {
+            let left = channel
+                .queue_declare(
+                    q.as_str(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap()
+                .message_count();
+            assert_eq!(left, 0, "{q}");
+            let _ = channel
+                .queue_delete(q.as_str(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = conn.close(200, "done").await;
+    });
+}
