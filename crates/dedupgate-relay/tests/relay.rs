@@ -678,3 +678,131 @@ fn assert_each_line_once(keys: &BTreeMap<String, usize>, n: usize, what: &str) {
     assert_eq!(keys.len(), n, "{what}: {keys:?}");
     assert!(keys.values().all(|c| *c == 1), "{what}: {keys:?}");
 }
+
+/// JetStream to RabbitMQ: each key published once to the queue, with publisher confirms and
+/// the key as `message_id`; a sink whose routing key reaches no queue fails at the first
+/// forward (mandatory publish), so nothing is acked into the void.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_to_rabbitmq_publishes_each_key_once_with_the_key_as_message_id() {
+    use async_nats::jetstream::{self, stream};
+    use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::FieldTable;
+
+    let nats_url =
+        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let amqp_url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let client = async_nats::connect(&nats_url)
+        .await
+        .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {nats_url}: {e}"));
+    let js = jetstream::new(client);
+    let conn = amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let queue = unique("dedupgate-relay-sink");
+    channel
+        .queue_declare(
+            queue.as_str(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let source = unique("relay-to-amqp");
+    js.create_stream(stream::Config {
+        name: source.clone(),
+        subjects: vec![format!("{source}.>")],
+        max_age: Duration::from_secs(600),
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    for i in 0..M {
+        js.publish(
+            format!("{source}.in"),
+            format!(r#"{{"id":"{}"}}"#, key_of(i)).into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let relay = start(
+        RouteConfig {
+            name: Some("to-amqp".into()),
+            from: format!("{nats_url}/{source}?consumer=relay"),
+            to: format!("{amqp_url}?routing_key={queue}"),
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let n = channel
+            .queue_declare(
+                queue.as_str(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count();
+        if n as usize >= M - D {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{n} messages in the sink queue");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let metrics = relay.stop().await;
+    let mut keys = BTreeMap::new();
+    while let Some(m) = channel
+        .basic_get(queue.as_str(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        let v: serde_json::Value = serde_json::from_slice(&m.delivery.data).unwrap();
+        let id = m
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned());
+        assert_eq!(id.as_deref(), v["id"].as_str(), "message_id is the key");
+        *keys
+            .entry(v["id"].as_str().unwrap().to_owned())
+            .or_insert(0) += 1;
+    }
+    let _ = channel
+        .queue_delete(queue.as_str(), QueueDeleteOptions::default())
+        .await;
+    assert_each_key_once(&keys);
+    let m = metrics.route("to-amqp").unwrap();
+    assert_eq!(
+        m.forwarded.load(std::sync::atomic::Ordering::Relaxed),
+        (M - D) as u64
+    );
+
+    // The same source to a routing key no queue is bound to: every forward fails.
+    let relay = start(
+        RouteConfig {
+            name: Some("nowhere".into()),
+            from: format!("{nats_url}/{source}?consumer=relay2"),
+            to: format!("{amqp_url}?routing_key={queue}-unbound"),
+            key: Some("{id}".into()),
+            namespace: Some("relay.nowhere".into()),
+            ..Default::default()
+        },
+        None,
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let metrics = relay.stop().await;
+    let _ = js.delete_stream(&source).await;
+    let m = metrics.route("nowhere").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(get(&m.forwarded), 0);
+    assert!(get(&m.forward_failures) > 0);
+}
