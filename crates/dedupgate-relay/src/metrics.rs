@@ -168,8 +168,14 @@ const REQUEST_BYTES_MAX: usize = 8 * 1024;
 pub async fn serve(listener: TcpListener, metrics: Metrics) {
     let metrics = Arc::new(metrics);
     loop {
-        let Ok((mut socket, _)) = listener.accept().await else {
-            continue;
+        let mut socket = match listener.accept().await {
+            Ok((socket, _)) => socket,
+            Err(e) => {
+                // Out of file descriptors, say: pause rather than spin until one frees up.
+                tracing::debug!(error = %e, "relay: metrics accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {
