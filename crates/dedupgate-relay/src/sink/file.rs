@@ -40,7 +40,8 @@ impl Sink for StdoutSink {
 }
 
 /// JSON lines appended to a file; each line is fsync'd (`fdatasync`) before it is confirmed,
-/// so a confirmed message survives a crash of the machine.
+/// so a confirmed message survives a crash of the machine. A failed write is cut back off the
+/// file, so the retry's line is not preceded by a fragment.
 pub struct FileSink {
     name: String,
     file: Mutex<tokio::fs::File>,
@@ -72,14 +73,23 @@ impl Sink for FileSink {
         line.push('\n');
         // One writer at a time: a line is never interleaved with another.
         let mut file = self.file.lock().await;
+        let failed = |e: std::io::Error| SinkError::Send {
+            sink: self.name.clone(),
+            reason: e.to_string(),
+        };
+        let before = file.metadata().await.map_err(failed)?.len();
         let written = async {
             file.write_all(line.as_bytes()).await?;
             file.flush().await?;
             file.sync_data().await
         };
-        written.await.map_err(|e| SinkError::Send {
-            sink: self.name.clone(),
-            reason: e.to_string(),
-        })
+        if let Err(e) = written.await {
+            // A part of the line may be written: cut it off, so the retry's line is whole.
+            if let Err(cut) = file.set_len(before).await {
+                tracing::warn!(error = %cut, sink = %self.name, "relay: a partly written line could not be cut off");
+            }
+            return Err(failed(e));
+        }
+        Ok(())
     }
 }
