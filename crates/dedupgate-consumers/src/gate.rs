@@ -107,16 +107,7 @@ impl ConsumerGate {
             Ok(key) => key,
             Err(why) => return self.logged(Handled::Rejected(why)),
         };
-        let opts = ClaimOptions {
-            ttl_ms: self.ttl_ms,
-            lease_ms: self.lease_ms,
-            // See the crate's docs: a template's key already says which payloads are one event.
-            fingerprint: match self.key {
-                KeySource::MessageId => Some(hex::encode(Sha256::digest(payload))),
-                KeySource::Template(_) => None,
-            },
-            owner: Some(self.attempt_owner()),
-        };
+        let opts = self.claim_options(payload);
         // The payload is copied for the handler only when it runs, not for duplicates.
         let run = self
             .gate
@@ -161,6 +152,22 @@ impl ConsumerGate {
             },
         };
         self.logged(handled)
+    }
+
+    /// The options of one claim of a delivery with `payload`: this consumer's ttl and lease,
+    /// the payload's fingerprint (unless the key comes from a template) and an owner unique to
+    /// the attempt.
+    pub(crate) fn claim_options(&self, payload: &[u8]) -> ClaimOptions {
+        ClaimOptions {
+            ttl_ms: self.ttl_ms,
+            lease_ms: self.lease_ms,
+            // See the crate's docs: a template's key already says which payloads are one event.
+            fingerprint: match self.key {
+                KeySource::MessageId => Some(hex::encode(Sha256::digest(payload))),
+                KeySource::Template(_) => None,
+            },
+            owner: Some(self.attempt_owner()),
+        }
     }
 
     /// A failed handler: retried after the failure delay, or (idempotent mode, or the last

@@ -52,6 +52,7 @@ mod dead_letter;
 mod offsets;
 mod partitions;
 mod record;
+mod transactional;
 
 pub use config::{
     KafkaConfig, COMMIT_EVERY_DEFAULT, IN_FLIGHT_DEFAULT, IN_FLIGHT_MAX, KEY_HEADER_DEFAULT,
@@ -63,6 +64,10 @@ pub use offsets::{OffsetError, OffsetTracker};
 /// The rdkafka this module is built on, for producers and admin clients of the same version.
 pub use rdkafka;
 pub use record::Record;
+pub use transactional::{
+    Input, Output, PipeConfig, PipeStats, TransactionalPipe, BATCH_EVERY_DEFAULT,
+    BATCH_RECORDS_DEFAULT, BATCH_RECORDS_MAX, TRANSACTION_TIMEOUT_DEFAULT,
+};
 
 /// Why the consumer could not be built or could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -81,4 +86,21 @@ pub enum KafkaError {
         /// The producer's error.
         cause: rdkafka::error::KafkaError,
     },
+    /// A setting the pipe refuses ([`TransactionalPipe::new`]).
+    #[error("kafka: {0}")]
+    Invalid(dedupgate_core::InvalidInput),
+    /// Another producer with this transactional id took over (a restarted or duplicated
+    /// instance): this pipe aborted what it could, released its claims and stopped.
+    #[error("kafka: producer fenced: another instance runs with transactional id {transactional_id:?} ({cause})")]
+    Fenced {
+        /// The transactional id.
+        transactional_id: String,
+        /// librdkafka's error.
+        cause: rdkafka::error::KafkaError,
+    },
+    /// The transactional producer cannot go on (a fatal error, or an abort that failed): the
+    /// pipe released its claims and stopped; the broker aborts the open transaction once
+    /// its timeout passes.
+    #[error("kafka: transaction failed: {0}")]
+    Transaction(rdkafka::error::KafkaError),
 }

@@ -24,7 +24,7 @@ const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Connection properties copied from the consumer's to the dead-letter producer: where the
 /// cluster is and how to authenticate; consumer properties would only draw warnings.
-fn is_connection_property(name: &str) -> bool {
+pub(crate) fn is_connection_property(name: &str) -> bool {
     name == "bootstrap.servers"
         || name == "client.id"
         || ["security.", "sasl.", "ssl."]
@@ -68,28 +68,7 @@ impl DeadLetters {
         outcome: &str,
         reason: &str,
     ) -> Result<(), KafkaError> {
-        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 4);
-        for (name, value) in &record.headers {
-            headers = headers.insert(Header {
-                key: name,
-                value: value.as_deref(),
-            });
-        }
-        let source = record.position();
-        let mut added = vec![
-            (REASON_HEADER, reason),
-            (OUTCOME_HEADER, outcome),
-            (SOURCE_HEADER, source.as_str()),
-        ];
-        if let Some(key) = key {
-            added.push((KEY_HEADER, key));
-        }
-        for (name, value) in added {
-            headers = headers.insert(Header {
-                key: name,
-                value: Some(value),
-            });
-        }
+        let headers = dead_letter_headers(record, key, outcome, reason);
         let mut copy = FutureRecord::<[u8], [u8]>::to(&self.topic)
             .payload(&record.payload)
             .headers(headers);
@@ -105,4 +84,37 @@ impl DeadLetters {
                 cause,
             })
     }
+}
+
+/// `record`'s headers with why it was dead-lettered added: the reason, the outcome's label,
+/// where it came from and its key (when one could be made).
+pub(crate) fn dead_letter_headers(
+    record: &Record,
+    key: Option<&str>,
+    outcome: &str,
+    reason: &str,
+) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 4);
+    for (name, value) in &record.headers {
+        headers = headers.insert(Header {
+            key: name,
+            value: value.as_deref(),
+        });
+    }
+    let source = record.position();
+    let mut added = vec![
+        (REASON_HEADER, reason),
+        (OUTCOME_HEADER, outcome),
+        (SOURCE_HEADER, source.as_str()),
+    ];
+    if let Some(key) = key {
+        added.push((KEY_HEADER, key));
+    }
+    for (name, value) in added {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(value),
+        });
+    }
+    headers
 }
