@@ -433,6 +433,13 @@ impl TransactionalPipe {
             .map_err(|e| self.fatal(e))?;
         tokio::pin!(shutdown);
         let stopped = loop {
+            // Checked before receiving: while records keep coming, the receive branch is
+            // always ready and a timer alone would never get its turn.
+            if self.due() {
+                if let Err(e) = self.commit().await {
+                    break Err(e);
+                }
+            }
             let deadline = {
                 let batch = lock(&self.batch);
                 match batch.started {
@@ -498,6 +505,14 @@ impl TransactionalPipe {
                 Err(e)
             }
         }
+    }
+
+    /// True when the open batch is full or has been open for the batch period.
+    fn due(&self) -> bool {
+        let batch = lock(&self.batch);
+        batch
+            .started
+            .is_some_and(|s| batch.due || s.elapsed() >= self.config.batch_every)
     }
 
     /// One record: its key, the gate, the handler, its outputs into the open transaction.

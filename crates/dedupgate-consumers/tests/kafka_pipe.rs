@@ -1,0 +1,409 @@
+//! The transactional pipe (Kafka to Kafka, exactly once) against a real Kafka-protocol broker
+//! each test starts (tansu, see `common/kafka.rs`; skipped, saying so, only when its binary is
+//! not installed): M records with D% duplicate keys come out once per key and the group's
+//! offsets reach the end; a transaction aborted mid-batch releases its claims, its records are
+//! consumed again, and each key comes out of a committed transaction once.
+//!
+//! What tansu cannot show: it does not filter aborted records from a `read_committed` reader.
+//! So the tests tell committed outputs from aborted ones by the gate's own log (every handler
+//! run stamps its outputs; a run whose claim was completed is one whose transaction committed,
+//! a run whose claim was released is one whose transaction aborted) and check that split
+//! against Kafka's side: the committed runs' outputs are each key exactly once, and every
+//! record's offset is committed. That an aborted transaction's records are invisible is
+//! Kafka's guarantee, not checked here.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use common::kafka::{self as broker, Broker};
+use common::unique;
+use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
+use dedupgate_consumers::kafka::rdkafka::consumer::{Consumer, StreamConsumer};
+use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
+use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
+use dedupgate_consumers::kafka::{
+    Input, KafkaConfig, KafkaError, Output, PipeConfig, PipeStats, TransactionalPipe, KEY_HEADER,
+};
+use dedupgate_consumers::ConsumerGate;
+use dedupgate_core::{
+    Claim, Gate, GateError, MemoryStore, Outcome, RecordId, Store, StoreError, StoreStats, ValidOp,
+};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+
+const DEADLINE: Duration = Duration::from_secs(120);
+/// The header each output carries with the number of the handler run that made it.
+const RUN_HEADER: &str = "test-run";
+
+/// The memory store, logging every claim that was granted and every release and completion
+/// that succeeded, in order: the gate's side of each transaction.
+#[derive(Default)]
+struct LoggedStore {
+    inner: MemoryStore,
+    log: Arc<Mutex<Vec<(String, &'static str)>>>,
+}
+
+#[async_trait]
+impl Store for LoggedStore {
+    async fn apply(&self, id: RecordId, op: ValidOp) -> Result<Outcome, GateError> {
+        let key = id.key.as_str().to_owned();
+        let outcome = self.inner.apply(id, op).await?;
+        let event = match &outcome {
+            Outcome::Claimed(Claim::New(_)) => Some("claimed"),
+            Outcome::Released => Some("released"),
+            Outcome::Completed(_) => Some("completed"),
+            _ => None,
+        };
+        if let Some(event) = event {
+            self.log.lock().unwrap().push((key, event));
+        }
+        Ok(outcome)
+    }
+    async fn health(&self) -> Result<(), StoreError> {
+        self.inner.health().await
+    }
+    async fn sweep_expired(&self, batch_max: usize) -> Result<u64, StoreError> {
+        self.inner.sweep_expired(batch_max).await
+    }
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        self.inner.stats().await
+    }
+    fn describe(&self) -> String {
+        "memory, logged".into()
+    }
+}
+
+type Log = Arc<Mutex<Vec<(String, &'static str)>>>;
+
+fn gate() -> (ConsumerGate, Log) {
+    let store = LoggedStore::default();
+    let log = store.log.clone();
+    let gate = ConsumerGate::new(Gate::new(store), "pipe-test")
+        .unwrap()
+        .in_progress_retry(Duration::from_millis(50))
+        .unwrap()
+        .unavailable_retry(Duration::from_millis(200))
+        .unwrap()
+        .failure_retry(Duration::from_millis(20), Duration::from_millis(60))
+        .unwrap();
+    (gate, log)
+}
+
+fn source(broker: &Broker, group: &str, topic: &str) -> KafkaConfig {
+    KafkaConfig::new(&broker.bootstrap, group, &[topic])
+        .unwrap()
+        .set("session.timeout.ms", "6000")
+        .unwrap()
+        .set("heartbeat.interval.ms", "500")
+        .unwrap()
+}
+
+/// Which handler run made which key's outputs, by run number.
+#[derive(Default)]
+struct Runs {
+    next: AtomicU64,
+    keys: Mutex<BTreeMap<u64, String>>,
+}
+
+impl Runs {
+    fn start(&self, key: &str) -> u64 {
+        let run = self.next.fetch_add(1, Ordering::SeqCst);
+        self.keys.lock().unwrap().insert(run, key.to_owned());
+        run
+    }
+}
+
+/// The runs whose claim was completed (their transaction committed) and those whose claim was
+/// released (aborted), from the store's log: a key's n-th run held its n-th claim.
+fn committed_and_aborted(runs: &Runs, log: &Log) -> (Vec<u64>, Vec<u64>) {
+    let mut ends: BTreeMap<String, Vec<&'static str>> = BTreeMap::new();
+    for (key, event) in log.lock().unwrap().iter() {
+        if *event != "claimed" {
+            ends.entry(key.clone()).or_default().push(event);
+        }
+    }
+    let mut nth: BTreeMap<String, usize> = BTreeMap::new();
+    let (mut committed, mut aborted) = (Vec::new(), Vec::new());
+    for (run, key) in runs.keys.lock().unwrap().iter() {
+        let n = nth.entry(key.clone()).or_default();
+        match ends.get(key).and_then(|e| e.get(*n)) {
+            Some(&"completed") => committed.push(*run),
+            Some(_) => aborted.push(*run),
+            None => {}
+        }
+        *n += 1;
+    }
+    (committed, aborted)
+}
+
+/// Every record of `topic` as a `read_committed` reader sees it: (dedup key, run), read until
+/// `min` are in and nothing more came for 3 s.
+async fn read_outputs(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    min: usize,
+) -> Vec<(String, u64)> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", unique("reader"))
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&tpl).unwrap();
+    let started = Instant::now();
+    let mut out = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(3), consumer.recv()).await {
+            Ok(Ok(m)) => {
+                let header = |name: &str| {
+                    m.headers()
+                        .and_then(|h| h.iter().find(|h| h.key == name))
+                        .and_then(|h| h.value)
+                        .map(|v| String::from_utf8_lossy(v).into_owned())
+                };
+                let key = header(KEY_HEADER).expect("the pipe sets the key header");
+                let run = header(RUN_HEADER)
+                    .and_then(|r| r.parse().ok())
+                    .expect("run header");
+                out.push((key, run));
+            }
+            Ok(Err(e)) => panic!("reading {topic}: {e}"),
+            Err(_) if out.len() >= min => return out,
+            Err(_) => assert!(started.elapsed() < DEADLINE, "read {} of {min}", out.len()),
+        }
+    }
+}
+
+async fn wait_committed(bootstrap: &str, group: &str, topic: &str, ends: &[i64]) {
+    let want: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
+    let started = Instant::now();
+    loop {
+        let committed = broker::committed(bootstrap, group, topic, ends.len() as i32);
+        if committed == want {
+            return;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "committed {committed:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The pipe's handler for the tests: one output per record, stamped with its run; on the run
+/// numbered `oversize_run` (once), an output too large to produce, which aborts the batch.
+fn handler(
+    runs: Arc<Runs>,
+    out_topic: String,
+    oversize_run: Option<u64>,
+) -> impl Fn(Input) -> std::future::Ready<Result<Vec<Output>, String>> {
+    move |input: Input| {
+        let run = runs.start(&input.key);
+        let payload = if Some(run) == oversize_run {
+            // Over librdkafka's message.max.bytes (1 MB): refused when enqueued.
+            vec![b'x'; 2 << 20]
+        } else {
+            input.record.payload.clone()
+        };
+        std::future::ready(Ok(vec![
+            Output::new(&out_topic, payload).header(RUN_HEADER, run.to_string())
+        ]))
+    }
+}
+
+/// Runs `pipe` in a task until the returned sender says stop.
+fn spawn(
+    pipe: TransactionalPipe,
+    handler: impl Fn(Input) -> std::future::Ready<Result<Vec<Output>, String>> + Send + Sync + 'static,
+) -> (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<Result<PipeStats, KafkaError>>,
+) {
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        pipe.run(handler, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await
+    });
+    (stop, task)
+}
+
+/// `distinct` keys and `total` records over them, shuffled, spread over `partitions`.
+fn records(distinct: usize, total: usize, partitions: i32) -> Vec<(i32, String)> {
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
+    for _ in distinct..total {
+        keys.push(format!("order-{:04}", rng.gen_range(0..distinct)));
+    }
+    keys.shuffle(&mut rng);
+    keys.into_iter()
+        .map(|k| (rng.gen_range(0..partitions), k))
+        .collect()
+}
+
+async fn produce(
+    broker: &Broker,
+    topic: &str,
+    partitions: i32,
+    records: &[(i32, String)],
+) -> Vec<i64> {
+    let payloads: Vec<String> = records
+        .iter()
+        .map(|(_, k)| format!("{{\"order\":\"{k}\"}}"))
+        .collect();
+    let batch: Vec<(i32, Option<&str>, &[u8])> = records
+        .iter()
+        .zip(&payloads)
+        .map(|((p, k), v)| (*p, Some(k.as_str()), v.as_bytes()))
+        .collect();
+    let mut ends = Vec::new();
+    broker::produce(&broker.producer(), topic, partitions, &batch, &mut ends).await;
+    ends
+}
+
+/// Per key, how many outputs of `runs` came out.
+fn per_key(outputs: &[(String, u64)], runs: &[u64]) -> BTreeMap<String, u32> {
+    let mut counts = BTreeMap::new();
+    for (key, run) in outputs {
+        if runs.contains(run) {
+            *counts.entry(key.clone()).or_default() += 1;
+        }
+    }
+    counts
+}
+
+/// M records with D% duplicates (the same key on new offsets, over two partitions): each
+/// distinct key comes out once, from one committed run; no run was aborted; the input group's
+/// committed offsets reach each partition's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_come_out_once_and_the_offsets_commit_with_the_outputs() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    broker.create_topic(&input, 2).await;
+    broker.create_topic(&output, 2).await;
+    let (distinct, total) = (120, 200);
+    let ends = produce(&broker, &input, 2, &records(distinct, total, 2)).await;
+
+    let (gate, log) = gate();
+    let config = PipeConfig::new(source(&broker, &group, &input), &unique("tx"))
+        .unwrap()
+        .batch(25, Duration::from_millis(50))
+        .unwrap();
+    let pipe = TransactionalPipe::new(gate, config).unwrap();
+    let runs = Arc::new(Runs::default());
+    let (stop, task) = spawn(pipe, handler(runs.clone(), output.clone(), None));
+    wait_committed(&broker.bootstrap, &group, &input, &ends).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap().expect("pipe run");
+    println!("{stats:?}");
+
+    let outputs = read_outputs(&broker.bootstrap, &output, 2, distinct).await;
+    let (committed, aborted) = committed_and_aborted(&runs, &log);
+    assert_eq!(aborted, Vec::<u64>::new());
+    let all: Vec<u64> = runs.keys.lock().unwrap().keys().copied().collect();
+    let counts = per_key(&outputs, &all);
+    assert_eq!(counts.len(), distinct, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    assert_eq!(committed.len(), distinct);
+    assert_eq!(stats.ran as usize, distinct);
+    assert_eq!(stats.duplicates as usize, total - distinct);
+    assert_eq!(stats.transactions_aborted, 0);
+    assert!(
+        stats.transactions_committed >= (total / 25) as u64,
+        "{stats:?}"
+    );
+}
+
+/// A produce failing mid-batch (an output too large, on one run, after earlier records of the
+/// batch produced theirs into the open transaction) aborts the transaction: every claim of
+/// the batch is released, the batch's records are consumed again, and each key comes out of a
+/// committed run exactly once; the offsets still reach the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_aborted_mid_batch_releases_its_claims_and_runs_again() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    broker.create_topic(&input, 1).await;
+    broker.create_topic(&output, 1).await;
+    let distinct = 60;
+    let keys: Vec<(i32, String)> = (0..distinct)
+        .map(|i| (0, format!("order-{i:04}")))
+        .collect();
+    let ends = produce(&broker, &input, 1, &keys).await;
+
+    let (gate, log) = gate();
+    // Batches of 20 by count (the time bound is far): records 20..39 are one batch, and the
+    // run of record 30 (the 31st run) fails to produce.
+    let config = PipeConfig::new(source(&broker, &group, &input), &unique("tx"))
+        .unwrap()
+        .batch(20, Duration::from_secs(5))
+        .unwrap();
+    let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
+    let runs = Arc::new(Runs::default());
+    let (stop, task) = spawn(pipe, handler(runs.clone(), output.clone(), Some(30)));
+    wait_committed(&broker.bootstrap, &group, &input, &ends).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap().expect("pipe run");
+    println!("{stats:?}");
+    assert_eq!(stats.transactions_aborted, 1, "{stats:?}");
+
+    // The aborted batch's claims: records 20..=30, each claimed, released, claimed again and
+    // completed; nothing else was released.
+    let (committed, aborted) = committed_and_aborted(&runs, &log);
+    let keys_of = |runs_: &[u64]| -> Vec<String> {
+        let k = runs.keys.lock().unwrap();
+        runs_.iter().map(|r| k[r].clone()).collect()
+    };
+    let want: Vec<String> = (20..=30).map(|i| format!("order-{i:04}")).collect();
+    assert_eq!(keys_of(&aborted), want);
+    for key in &want {
+        let events: Vec<&str> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, e)| *e)
+            .collect();
+        assert_eq!(
+            events,
+            ["claimed", "released", "claimed", "completed"],
+            "{key}"
+        );
+    }
+    // Every key ends completed in the store.
+    for (_, key) in &keys {
+        let record = gate.gate().get("pipe-test", key).await.unwrap().expect(key);
+        assert_eq!(record.state, dedupgate_core::State::Completed, "{key}");
+    }
+
+    // What committed runs produced: each key once. (The aborted runs' outputs are left to
+    // Kafka's read_committed filtering, which tansu does not do.)
+    let outputs = read_outputs(&broker.bootstrap, &output, 1, distinct).await;
+    let counts = per_key(&outputs, &committed);
+    assert_eq!(counts.len(), distinct, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    let stray: Vec<_> = outputs
+        .iter()
+        .filter(|(_, run)| !committed.contains(run) && !aborted.contains(run))
+        .collect();
+    assert!(stray.is_empty(), "outputs of no known run: {stray:?}");
+}
