@@ -25,6 +25,9 @@ use common::unique;
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{Consumer, StreamConsumer};
 use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
+use dedupgate_consumers::kafka::rdkafka::mocking::MockCluster;
+use dedupgate_consumers::kafka::rdkafka::producer::FutureProducer;
+use dedupgate_consumers::kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
 use dedupgate_consumers::kafka::{
     Input, KafkaConfig, KafkaError, Output, PipeConfig, PipeStats, TransactionalPipe, KEY_HEADER,
@@ -406,4 +409,138 @@ async fn a_transaction_aborted_mid_batch_releases_its_claims_and_runs_again() {
         .filter(|(_, run)| !committed.contains(run) && !aborted.contains(run))
         .collect();
     assert!(stray.is_empty(), "outputs of no known run: {stray:?}");
+}
+
+/// A fenced producer (the transaction coordinator answers the commit with PRODUCER_FENCED, as
+/// it does once another instance initialized the same transactional id; injected on
+/// librdkafka's mock cluster, because tansu was not seen to fence) stops the pipe with
+/// [`KafkaError::Fenced`], its open batch's claims released and nothing of it completed. A
+/// pipe started again with that id takes over: each key is completed once, and comes out of
+/// a committed run once. (The mock cluster keeps no offsets sent to a transaction, so the
+/// restarted pipe reads from the start: the gate is what keeps the first pipe's committed
+/// records from coming out twice here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fenced_pipe_stops_with_an_error_and_releases_its_claims() {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    cluster.create_topic(&input, 1, 1).unwrap();
+    cluster.create_topic(&output, 1, 1).unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .unwrap();
+    let distinct = 30;
+    let keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
+    let batch: Vec<(i32, Option<&str>, &[u8])> = keys
+        .iter()
+        .map(|k| (0, Some(k.as_str()), &b"{}"[..]))
+        .collect();
+    broker::produce(&producer, &input, 1, &batch, &mut Vec::new()).await;
+    let transactional_id = unique("tx");
+    let config = || {
+        let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
+        PipeConfig::new(source, &transactional_id)
+            .unwrap()
+            .batch(5, Duration::from_secs(5))
+            .unwrap()
+    };
+
+    let (gate, log) = gate();
+    let runs = Arc::new(Runs::default());
+    let (release, released) = watch::channel(false);
+    let first = TransactionalPipe::new(gate.clone(), config()).unwrap();
+    let first_task = tokio::spawn({
+        let (runs, output) = (runs.clone(), output.clone());
+        async move {
+            let handler = move |input: Input| {
+                let run = runs.start(&input.key);
+                let (output, mut released) = (output.clone(), released.clone());
+                async move {
+                    if input.key == "order-0012" {
+                        let _ = released.wait_for(|r| *r).await;
+                    }
+                    Ok::<_, String>(vec![Output::new(&output, input.record.payload)
+                        .header(RUN_HEADER, run.to_string())])
+                }
+            };
+            first.run(handler, std::future::pending()).await
+        }
+    });
+    let started = Instant::now();
+    while !runs
+        .keys
+        .lock()
+        .unwrap()
+        .values()
+        .any(|k| k == "order-0012")
+    {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the pipe never reached order-0012"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.request_errors(
+        RDKafkaApiKey::EndTxn,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_PRODUCER_FENCED],
+    );
+    release.send(true).unwrap();
+    let first_result = tokio::time::timeout(Duration::from_secs(60), first_task)
+        .await
+        .expect("the fenced pipe stops")
+        .unwrap();
+    assert!(
+        matches!(&first_result, Err(KafkaError::Fenced { transactional_id: t, .. }) if *t == transactional_id),
+        "{first_result:?}"
+    );
+    let events = |key: &str| -> Vec<&'static str> {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, e)| *e)
+            .collect()
+    };
+    for key in &keys[..10] {
+        assert_eq!(events(key), ["claimed", "completed"], "{key}");
+    }
+    for key in &keys[10..15] {
+        assert_eq!(events(key), ["claimed", "released"], "{key}");
+    }
+    assert!(events(&keys[15]).is_empty());
+
+    // Started again with the same id: it takes over.
+    let second = TransactionalPipe::new(gate.clone(), config()).unwrap();
+    let (stop, second_task) = spawn(second, handler(runs.clone(), output.clone(), None));
+    let started = Instant::now();
+    loop {
+        let completed = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, e)| *e == "completed")
+            .count();
+        if completed >= distinct {
+            break;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "completed {completed} of {distinct}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    let stats = second_task.await.unwrap().expect("second pipe");
+    println!("{stats:?}");
+    assert_eq!(stats.duplicates, 10, "{stats:?}");
+    for key in &keys {
+        let completed = events(key).iter().filter(|e| **e == "completed").count();
+        assert_eq!(completed, 1, "{key}: {:?}", events(key));
+    }
+    let (committed, _aborted) = committed_and_aborted(&runs, &log);
+    let outputs = read_outputs(&bootstrap, &output, 1, distinct).await;
+    let counts = per_key(&outputs, &committed);
+    assert_eq!(counts.len(), distinct, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
 }
