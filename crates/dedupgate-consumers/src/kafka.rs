@@ -40,11 +40,66 @@
 //! callbacks run inside that poll. A consumer whose every slot stays taken (handlers or retries
 //! that wait) past librdkafka's `max.poll.interval.ms` (5 minutes) is dropped from the group;
 //! its partitions go to another member and its records in hand are abandoned as on a revoke.
-//! Producing results to Kafka in the same transaction as the consumed offsets is not done here.
+//!
+//! ## Kafka to Kafka, exactly once: [`TransactionalPipe`]
+//!
+//! [`TransactionalPipe::run`] consumes (`read_committed`, in a group), gates each record by
+//! key (the same key sources as above), and for a new key runs a handler that returns the
+//! [`Output`] records to produce. A transactional, idempotent producer
+//! ([`PipeConfig::new`]'s `transactional.id`) puts them into a transaction, with the consumed
+//! offsets (`send_offsets_to_transaction`, the group's metadata); the transaction commits once
+//! per [`PipeConfig::batch`] (N records or T ms). Records are handled one at a time, in order.
+//!
+//! | what happens | the pipe |
+//! |---|---|
+//! | a new key | claimed; the handler's outputs go into the open transaction (each with the key in the `dedupgate-key` header); the claim is completed after the commit |
+//! | a duplicate of a completed key, or of a key this transaction already holds | nothing produced; its offset commits in the transaction |
+//! | a key held by another member, or the gate undecided | the open transaction commits first (its claims are not held while waiting), then the claim is asked again after the in-progress (or unavailable) delay |
+//! | the handler fails | its claim is released, the transaction commits what came before, and the record is tried again in process after the failure delay; on attempt `max_attempts` (when set) it is dead-lettered instead |
+//! | no usable key, a fingerprint mismatch | its copy goes to the dead-letter topic in the same transaction (logged and committed past with none configured) |
+//! | an output cannot be produced, or the commit fails | the transaction is aborted, **every claim it holds is released**, and its partitions are rewound to the batch's first offsets: its records are consumed again (a record whose outputs fail `max_attempts` times is dead-lettered) |
+//! | a rebalance revokes partitions | the open transaction is aborted inside the revoke callback, before the partitions go; its claims are released and the partitions still held are rewound |
+//! | the producer is fenced (another instance initialized the same `transactional.id`) or a fatal error | the claims are released and [`TransactionalPipe::run`] stops with [`KafkaError::Fenced`] (or [`KafkaError::Transaction`]) |
+//!
+//! What Kafka's transaction covers, and only within Kafka: the outputs and the consumed
+//! offsets become visible together or not at all, so a record consumed again after a crash,
+//! an abort or a rebalance (offsets not committed) has left no visible output, and once they
+//! are committed the record is not consumed again by the group. The idempotent producer stops
+//! its own retries from writing a record twice. What the gate adds: keys seen across records,
+//! not positions. A copy of an event produced again upstream (a producer that retried with a
+//! new record, a replay of a range, a record redriven from a dead-letter topic, a second
+//! source topic) has a new offset, which Kafka's transaction takes for a new record; the gate
+//! answers it as a duplicate for the key's ttl. And a handler with effects outside Kafka (a
+//! call, a write elsewhere) runs again whenever a transaction aborts: the gate cannot undo
+//! it, so such effects must be idempotent themselves, or go through a separate
+//! [`ConsumerGate`](crate::ConsumerGate) keyed in the handler, whose completion an abort does
+//! not release.
+//!
+//! Crash windows, plainly:
+//! - before the commit (in the handler, while producing, in `commit_transaction`): the broker
+//!   aborts the transaction (at the next `init_transactions` with the same id, or after its
+//!   timeout); no output is visible, no offset committed; the claims stay held until their
+//!   lease runs out, so the records, consumed again by the next holder, wait up to a lease and
+//!   then run.
+//! - after `commit_transaction` and before the claims are completed: the outputs and offsets
+//!   are committed, so Kafka does not deliver those records again (no duplicate from Kafka);
+//!   but the claims are left to expire with their lease, nothing completed, so a *redriven or
+//!   re-produced copy* of one of those keys runs again (one arriving within the lease waits
+//!   for it to run out, then takes the key over): for those keys the gate adds nothing. The
+//!   same holds when the store cannot record the completions ([`PipeStats::unrecorded`]).
+//! - the gate answered a duplicate, the transaction aborted: nothing was produced for it, and
+//!   the copy is consumed again and answered again.
+//!
+//! Bounds: a batch holds at most [`BATCH_RECORDS_MAX`] records and stays open at most 60 s
+//! and at most a third of the gate's lease (refused otherwise); the claims of the open batch
+//! are renewed while a handler runs. The pipe must be the only writer of its
+//! `transactional.id`: two instances with one id fence each other, two instances with
+//! different ids share the group's partitions.
 //!
 //! Inside: `config` ([`KafkaConfig`]), `offsets` ([`OffsetTracker`]), `partitions` (the held
 //! partitions and their epochs), `record` ([`Record`] and its key), `dead_letter` (the
-//! dead-letter producer) and `consumer` (the loop and the rebalance callbacks).
+//! dead-letter producer), `consumer` (the loop and the rebalance callbacks) and
+//! `transactional` (the pipe).
 
 mod config;
 mod consumer;

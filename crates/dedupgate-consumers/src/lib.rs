@@ -21,7 +21,9 @@
 //!   that runs each record through the gate ([`ConsumerGate::process_key`]), several at once,
 //!   and commits each partition's offsets in order once the records below them are settled; a
 //!   retry holds the record in process, a reject dead-letters it ([`kafka::KafkaConfig`]). The
-//!   key is the `idempotency-key` header by default.
+//!   key is the `idempotency-key` header by default. [`kafka::TransactionalPipe`] is Kafka to
+//!   Kafka: a handler's outputs and the consumed offsets commit in one transaction, and an
+//!   aborted transaction releases its claims.
 //!
 //! The rules, for every broker (Kafka's reading of each action is in [`kafka`]'s docs):
 //!
