@@ -18,6 +18,14 @@
 //!   (the group's offsets do move), commit and abort all succeed, but a `read_committed`
 //!   consumer still receives the aborted records: tansu does not filter aborted transactions.
 //!   Tests of an aborted transaction need librdkafka's mock cluster (`rdkafka::mocking`).
+//!   But the mock cluster (librdkafka 2.12) filters nothing either (its fetch answers no
+//!   aborted transactions, and its last stable offset is the end), keeps no offsets sent to a
+//!   transaction, and gives each `init_transactions` a new producer id, so it fences nobody;
+//!   it does answer injected errors (`request_errors`), such as PRODUCER_FENCED on EndTxn.
+//! - fencing: not established. Tried once (`kafka_pipe.rs`, Nov 2026): a second producer's
+//!   `init_transactions` with the same transactional id, while the first had a transaction
+//!   open, left the first neither failed nor committed 20 s later; the fencing test injects
+//!   PRODUCER_FENCED on the mock cluster instead.
 //!
 //! Debian's kcat 1.7.1 (librdkafka 2.0.2) cannot talk to it: it fails to parse tansu's
 //! ApiVersions v3 response ("Read underflow … expected … bytes > 5 remaining").
