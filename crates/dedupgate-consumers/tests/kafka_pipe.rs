@@ -544,3 +544,63 @@ async fn a_fenced_pipe_stops_with_an_error_and_releases_its_claims() {
     assert_eq!(counts.len(), distinct, "{counts:?}");
     assert!(counts.values().all(|n| *n == 1), "{counts:?}");
 }
+
+/// A rebalance while a transaction is open: the first pipe has taken every record into one
+/// open transaction when a second pipe (its own transactional id) joins the group. The revoke
+/// aborts that transaction before the partitions go and releases its claims; the two pipes
+/// then share the partitions, and each key is completed once and comes out of a committed
+/// run once, with the offsets at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_revoke_aborts_the_open_transaction_and_releases_its_claims() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    broker.create_topic(&input, 2).await;
+    broker.create_topic(&output, 2).await;
+    let (distinct, total) = (60, 80);
+    let ends = produce(&broker, &input, 2, &records(distinct, total, 2)).await;
+
+    let (gate, log) = gate();
+    // A long lease allows a batch open for 30 s: the join below comes well within it.
+    let gate = gate.lease(Duration::from_secs(90)).unwrap();
+    let config = || {
+        PipeConfig::new(source(&broker, &group, &input), &unique("tx"))
+            .unwrap()
+            .batch(1000, Duration::from_secs(30))
+            .unwrap()
+    };
+    let runs = Arc::new(Runs::default());
+    let first = TransactionalPipe::new(gate.clone(), config()).unwrap();
+    let (stop_first, first_task) = spawn(first, handler(runs.clone(), output.clone(), None));
+    let started = Instant::now();
+    while runs.keys.lock().unwrap().len() < distinct {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the first pipe ran {} keys",
+            runs.keys.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !log.lock().unwrap().iter().any(|(_, e)| *e == "completed"),
+        "nothing is committed yet"
+    );
+    let second = TransactionalPipe::new(gate.clone(), config()).unwrap();
+    let (stop_second, second_task) = spawn(second, handler(runs.clone(), output.clone(), None));
+    wait_committed(&broker.bootstrap, &group, &input, &ends).await;
+    stop_first.send(true).unwrap();
+    stop_second.send(true).unwrap();
+    let first_stats = first_task.await.unwrap().expect("first pipe");
+    let second_stats = second_task.await.unwrap().expect("second pipe");
+    println!("{first_stats:?}\n{second_stats:?}");
+    assert!(first_stats.transactions_aborted >= 1, "{first_stats:?}");
+
+    let (committed, aborted) = committed_and_aborted(&runs, &log);
+    assert!(aborted.len() >= distinct, "aborted runs: {aborted:?}");
+    let outputs = read_outputs(&broker.bootstrap, &output, 2, distinct).await;
+    let counts = per_key(&outputs, &committed);
+    assert_eq!(counts.len(), distinct, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    assert_eq!(committed.len(), distinct);
+}
