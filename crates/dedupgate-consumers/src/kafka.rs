@@ -92,7 +92,8 @@
 //!
 //! Bounds: a batch holds at most [`BATCH_RECORDS_MAX`] records and stays open at most 60 s
 //! and at most a third of the gate's lease (refused otherwise); the claims of the open batch
-//! are renewed while a handler runs. The pipe must be the only writer of its
+//! are renewed while a handler runs. A key held by another pipe's open transaction waits
+//! for that transaction to commit (up to its batch period). The pipe must be the only writer of its
 //! `transactional.id`: two instances with one id fence each other, two instances with
 //! different ids share the group's partitions.
 //!

@@ -2,7 +2,9 @@
 //! each test starts (tansu, see `common/kafka.rs`; skipped, saying so, only when its binary is
 //! not installed): M records with D% duplicate keys come out once per key and the group's
 //! offsets reach the end; a transaction aborted mid-batch releases its claims, its records are
-//! consumed again, and each key comes out of a committed transaction once.
+//! consumed again, and each key comes out of a committed transaction once; a rebalance with a
+//! transaction open aborts it on the revoke. A fenced producer (injected on librdkafka's mock
+//! cluster) stops the pipe with an error, its claims released.
 //!
 //! What tansu cannot show: it does not filter aborted records from a `read_committed` reader.
 //! So the tests tell committed outputs from aborted ones by the gate's own log (every handler
