@@ -617,10 +617,14 @@ impl TransactionalPipe {
                 }
             };
             bump(&self.counters.ran);
-            {
-                let mut batch = self.begun()?;
+            let joined = self.begun().map(|mut batch| {
                 batch.keys.insert(key.clone());
-                batch.claims.push(held);
+                batch.claims.push(held.clone());
+            });
+            if let Err(e) = joined {
+                // No transaction could begin: the claim is not the batch's, so it is let go here.
+                self.release(std::slice::from_ref(&held)).await;
+                return Err(e);
             }
             for output in &outputs {
                 if let Err(e) = self.produce(output, &key).await {
