@@ -606,3 +606,113 @@ async fn a_revoke_aborts_the_open_transaction_and_releases_its_claims() {
     assert!(counts.values().all(|n| *n == 1), "{counts:?}");
     assert_eq!(committed.len(), distinct);
 }
+
+/// A commit the coordinator refuses (an error librdkafka makes abortable, injected on the mock
+/// cluster's EndTxn once the batch of records 10..14 is open) aborts that transaction: its
+/// five claims are released, its records consumed again and committed by the next
+/// transaction, and each key is completed once and comes out of a committed run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_the_broker_refuses_aborts_and_the_batch_runs_again() {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    cluster.create_topic(&input, 1, 1).unwrap();
+    cluster.create_topic(&output, 1, 1).unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .unwrap();
+    let distinct = 30;
+    let keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
+    let batch: Vec<(i32, Option<&str>, &[u8])> = keys
+        .iter()
+        .map(|k| (0, Some(k.as_str()), &b"{}"[..]))
+        .collect();
+    broker::produce(&producer, &input, 1, &batch, &mut Vec::new()).await;
+    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
+    let config = PipeConfig::new(source, &unique("tx"))
+        .unwrap()
+        .batch(5, Duration::from_secs(5))
+        .unwrap();
+
+    let (gate, log) = gate();
+    let runs = Arc::new(Runs::default());
+    let (release, released) = watch::channel(false);
+    let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn({
+        let (runs, output) = (runs.clone(), output.clone());
+        async move {
+            let handler = move |input: Input| {
+                let run = runs.start(&input.key);
+                let (output, mut released) = (output.clone(), released.clone());
+                async move {
+                    if input.key == "order-0012" {
+                        let _ = released.wait_for(|r| *r).await;
+                    }
+                    Ok::<_, String>(vec![Output::new(&output, input.record.payload)
+                        .header(RUN_HEADER, run.to_string())])
+                }
+            };
+            pipe.run(handler, async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+        }
+    });
+    let started = Instant::now();
+    while !runs
+        .keys
+        .lock()
+        .unwrap()
+        .values()
+        .any(|k| k == "order-0012")
+    {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the pipe never reached order-0012"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.request_errors(
+        RDKafkaApiKey::EndTxn,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN],
+    );
+    release.send(true).unwrap();
+    let events = |key: &str| -> Vec<&'static str> {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, e)| *e)
+            .collect()
+    };
+    let started = Instant::now();
+    while keys.iter().any(|k| !events(k).contains(&"completed")) {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "log: {:?}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap().expect("pipe run");
+    println!("{stats:?}");
+    assert_eq!(stats.transactions_aborted, 1, "{stats:?}");
+    for key in &keys[10..15] {
+        assert_eq!(
+            events(key),
+            ["claimed", "released", "claimed", "completed"],
+            "{key}"
+        );
+    }
+    for key in keys[..10].iter().chain(&keys[15..]) {
+        assert_eq!(events(key), ["claimed", "completed"], "{key}");
+    }
+    let (committed, _aborted) = committed_and_aborted(&runs, &log);
+    let outputs = read_outputs(&bootstrap, &output, 1, distinct).await;
+    let counts = per_key(&outputs, &committed);
+    assert_eq!(counts.len(), distinct, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+}
