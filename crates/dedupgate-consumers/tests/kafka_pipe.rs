@@ -3,8 +3,9 @@
 //! not installed): M records with D% duplicate keys come out once per key and the group's
 //! offsets reach the end; a transaction aborted mid-batch releases its claims, its records are
 //! consumed again, and each key comes out of a committed transaction once; a rebalance with a
-//! transaction open aborts it on the revoke. A fenced producer (injected on librdkafka's mock
-//! cluster) stops the pipe with an error, its claims released.
+//! transaction open aborts it on the revoke. On librdkafka's mock cluster (errors injected): a
+//! commit the coordinator refuses aborts the batch, which runs again; a fenced producer stops
+//! the pipe with an error, its claims released.
 //!
 //! What tansu cannot show: it does not filter aborted records from a `read_committed` reader.
 //! So the tests tell committed outputs from aborted ones by the gate's own log (every handler
