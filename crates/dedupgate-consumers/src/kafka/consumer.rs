@@ -249,7 +249,7 @@ impl KafkaConsumer {
             tokio::select! {
                 biased;
                 () = &mut shutdown => break,
-                _ = commits.tick() => self.commit(CommitMode::Async),
+                _ = commits.tick() => self.commit(),
                 Some(joined) = tasks.join_next() => log_join(joined),
                 permit = slots.clone().acquire_owned(), if slot.is_none() => {
                     // The semaphore is never closed.
@@ -311,26 +311,39 @@ impl KafkaConsumer {
                 }
             }
         }
-        self.commit(CommitMode::Sync);
+        self.commit_at_stop().await;
         match fatal {
             Some(e) => Err(KafkaError::Client(e)),
             None => Ok(self.stats()),
         }
     }
 
-    /// Commits every held partition's settled position that the broker has not acknowledged.
-    fn commit(&self, mode: CommitMode) {
+    /// Commits every held partition's settled position that the broker has not acknowledged,
+    /// asynchronously: librdkafka only queues the request, so this does not block.
+    fn commit(&self) {
         let positions = self.shared.partitions.to_commit();
         if positions.count() == 0 {
             return;
         }
-        match self.consumer.commit(&positions, mode) {
-            // A synchronous commit has no callback.
-            Ok(()) if matches!(mode, CommitMode::Sync) => {
-                self.shared.partitions.committed(&positions)
-            }
-            Ok(()) => {}
-            Err(e) => tracing::debug!(error = %e, "kafka: commit failed; retried"),
+        // Acknowledged through the commit callback; a failure is offered again next time.
+        if let Err(e) = self.consumer.commit(&positions, CommitMode::Async) {
+            tracing::debug!(error = %e, "kafka: commit failed; retried");
+        }
+    }
+
+    /// The last commit, synchronous (the broker's answer is awaited, up to librdkafka's
+    /// timeout), so off the runtime's threads.
+    async fn commit_at_stop(&self) {
+        let positions = self.shared.partitions.to_commit();
+        if positions.count() == 0 {
+            return;
+        }
+        let consumer = self.consumer.clone();
+        let sent = positions.clone();
+        match tokio::task::spawn_blocking(move || consumer.commit(&sent, CommitMode::Sync)).await {
+            Ok(Ok(())) => self.shared.partitions.committed(&positions),
+            Ok(Err(e)) => tracing::warn!(error = %e, "kafka: commit at stop failed"),
+            Err(e) => tracing::warn!(error = %e, "kafka: commit at stop did not run"),
         }
     }
 
