@@ -57,7 +57,10 @@
 //! | a key held by another member, or the gate undecided | the open transaction commits first (its claims are not held while waiting), then the claim is asked again after the in-progress (or unavailable) delay |
 //! | the handler fails | its claim is released, the transaction commits what came before, and the record is tried again in process after the failure delay; on attempt `max_attempts` (when set) it is dead-lettered instead |
 //! | no usable key, a fingerprint mismatch | its copy goes to the dead-letter topic in the same transaction (logged and committed past with none configured) |
-//! | an output cannot be produced, or the commit fails | the transaction is aborted, **every claim it holds is released**, and its partitions are rewound to the batch's first offsets: its records are consumed again (a record whose outputs fail `max_attempts` times is dead-lettered) |
+//! | an output cannot be produced, or the commit is refused (an error that needs an abort) | the transaction is aborted, **every claim it holds is released**, and its partitions are rewound to the batch's first offsets (and to the record in hand, consumed again too): its records are consumed again (a record whose outputs fail `max_attempts` times is dead-lettered) |
+//! | the commit's outcome is unknown (it keeps timing out) | `commit_transaction` is called again, a few times; then [`TransactionalPipe::run`] stops with [`KafkaError::CommitUnknown`], **the claims held** (not released: the transaction may have committed) until their leases run out |
+//! | a partition cannot be rewound after an abort | the pipe stops with [`KafkaError::Rewind`], its claims released; the partition's next reader resumes from its committed offset |
+//! | shutdown while a record is retried | the wait before its next attempt ends; the record is left uncommitted, what came before commits, and `run` returns |
 //! | a rebalance revokes partitions | the open transaction is aborted inside the revoke callback, before the partitions go; its claims are released and the partitions still held are rewound |
 //! | the producer is fenced (another instance initialized the same `transactional.id`) or a fatal error | the claims are released and [`TransactionalPipe::run`] stops with [`KafkaError::Fenced`] (or [`KafkaError::Transaction`]) |
 //!
@@ -92,7 +95,8 @@
 //!
 //! Bounds: a batch holds at most [`BATCH_RECORDS_MAX`] records and stays open at most 60 s
 //! and at most a third of the gate's lease (refused otherwise); the claims of the open batch
-//! are renewed while a handler runs. A key held by another pipe's open transaction waits
+//! are renewed while a handler runs, while an output waits for room in the producer's queue,
+//! and while the batch commits. A key held by another pipe's open transaction waits
 //! for that transaction to commit (up to its batch period). The pipe must be the only writer of its
 //! `transactional.id`: two instances with one id fence each other, two instances with
 //! different ids share the group's partitions.
@@ -111,19 +115,22 @@ mod record;
 mod transactional;
 
 pub use config::{
-    KafkaConfig, COMMIT_EVERY_DEFAULT, IN_FLIGHT_DEFAULT, IN_FLIGHT_MAX, KEY_HEADER_DEFAULT,
-    SHUTDOWN_GRACE_DEFAULT,
+    KafkaConfig, COMMIT_EVERY_DEFAULT, IN_FLIGHT_DEFAULT, IN_FLIGHT_MAX, SHUTDOWN_GRACE_DEFAULT,
+    SOURCE_KEY_HEADER_DEFAULT,
 };
 pub use consumer::{KafkaConsumer, Stats};
-pub use dead_letter::{KEY_HEADER, OUTCOME_HEADER, REASON_HEADER, SOURCE_HEADER};
+pub use dead_letter::{DEDUP_KEY_HEADER, OUTCOME_HEADER, REASON_HEADER, SOURCE_HEADER};
 pub use offsets::{OffsetError, OffsetTracker};
 /// The rdkafka this module is built on, for producers and admin clients of the same version.
 pub use rdkafka;
 pub use record::Record;
 pub use transactional::{
     Input, Output, PipeConfig, PipeStats, TransactionalPipe, BATCH_EVERY_DEFAULT,
-    BATCH_RECORDS_DEFAULT, BATCH_RECORDS_MAX, TRANSACTION_TIMEOUT_DEFAULT,
+    BATCH_RECORDS_DEFAULT, BATCH_RECORDS_MAX, TRANSACTION_CALL_TIMEOUT_DEFAULT,
+    TRANSACTION_TIMEOUT_DEFAULT,
 };
+#[allow(deprecated)]
+pub use {config::KEY_HEADER_DEFAULT, dead_letter::KEY_HEADER};
 
 /// Why the consumer could not be built or could not go on.
 #[derive(Debug, thiserror::Error)]
@@ -159,4 +166,26 @@ pub enum KafkaError {
     /// its timeout passes.
     #[error("kafka: transaction failed: {0}")]
     Transaction(rdkafka::error::KafkaError),
+    /// `commit_transaction` kept failing with errors that leave its outcome unknown (it may
+    /// have committed): the pipe stopped without releasing the batch's claims, which lapse
+    /// with their leases, so a committed batch is not run again meanwhile.
+    #[error("kafka: commit outcome unknown for transactional id {transactional_id:?}; its claims are left to their leases ({cause})")]
+    CommitUnknown {
+        /// The transactional id.
+        transactional_id: String,
+        /// librdkafka's last error.
+        cause: rdkafka::error::KafkaError,
+    },
+    /// After an abort, a partition could not be put back to the aborted batch's first record:
+    /// the pipe stopped (its claims released) rather than read on past records whose outputs
+    /// were aborted.
+    #[error("kafka: could not rewind {topic}/{partition}: {cause}")]
+    Rewind {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// librdkafka's error.
+        cause: rdkafka::error::KafkaError,
+    },
 }

@@ -3,9 +3,11 @@
 //! not installed): M records with D% duplicate keys come out once per key and the group's
 //! offsets reach the end; a transaction aborted mid-batch releases its claims, its records are
 //! consumed again, and each key comes out of a committed transaction once; a rebalance with a
-//! transaction open aborts it on the revoke. On librdkafka's mock cluster (errors injected): a
-//! commit the coordinator refuses aborts the batch, which runs again; a fenced producer stops
-//! the pipe with an error, its claims released.
+//! transaction open aborts it on the revoke; shutdown interrupts a record being retried. On
+//! librdkafka's mock cluster (errors injected): a commit the coordinator refuses aborts the
+//! batch, which runs again; a fenced producer stops the pipe with an error, its claims
+//! released; a commit slower than the lease keeps its claims renewed; a commit whose outcome
+//! stays unknown stops the pipe with its claims held.
 //!
 //! What tansu cannot show: it does not filter aborted records from a `read_committed` reader.
 //! So the tests tell committed outputs from aborted ones by the gate's own log (every handler
@@ -33,7 +35,8 @@ use dedupgate_consumers::kafka::rdkafka::producer::FutureProducer;
 use dedupgate_consumers::kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
 use dedupgate_consumers::kafka::{
-    Input, KafkaConfig, KafkaError, Output, PipeConfig, PipeStats, TransactionalPipe, KEY_HEADER,
+    Input, KafkaConfig, KafkaError, Output, PipeConfig, PipeStats, TransactionalPipe,
+    DEDUP_KEY_HEADER,
 };
 use dedupgate_consumers::ConsumerGate;
 use dedupgate_core::{
@@ -180,7 +183,7 @@ async fn read_outputs(
                         .and_then(|h| h.value)
                         .map(|v| String::from_utf8_lossy(v).into_owned())
                 };
-                let key = header(KEY_HEADER).expect("the pipe sets the key header");
+                let key = header(DEDUP_KEY_HEADER).expect("the pipe sets the key header");
                 let run = header(RUN_HEADER)
                     .and_then(|r| r.parse().ok())
                     .expect("run header");
@@ -715,5 +718,355 @@ async fn a_commit_the_broker_refuses_aborts_and_the_batch_runs_again() {
     let outputs = read_outputs(&bootstrap, &output, 1, distinct).await;
     let counts = per_key(&outputs, &committed);
     assert_eq!(counts.len(), distinct, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+}
+
+/// `distinct` records `order-0000`… on partition 0 of `input` on a mock cluster, payload `{}`.
+async fn produce_to_mock(bootstrap: &str, input: &str, distinct: usize) -> Vec<String> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .unwrap();
+    let keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
+    let batch: Vec<(i32, Option<&str>, &[u8])> = keys
+        .iter()
+        .map(|k| (0, Some(k.as_str()), &b"{}"[..]))
+        .collect();
+    broker::produce(&producer, input, 1, &batch, &mut Vec::new()).await;
+    keys
+}
+
+/// What the latched handler returns for one run.
+type Outputs =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<Output>, String>> + Send>>;
+
+/// A handler whose run of `latch_key` waits until `release` says go; every run is stamped.
+fn latched_handler(
+    runs: Arc<Runs>,
+    output: String,
+    latch_key: &'static str,
+    released: watch::Receiver<bool>,
+) -> impl Fn(Input) -> Outputs {
+    move |input: Input| {
+        let run = runs.start(&input.key);
+        let (output, mut released) = (output.clone(), released.clone());
+        Box::pin(async move {
+            if input.key == latch_key {
+                let _ = released.wait_for(|r| *r).await;
+            }
+            Ok(vec![
+                Output::new(&output, input.record.payload).header(RUN_HEADER, run.to_string())
+            ])
+        })
+    }
+}
+
+/// Waits until the handler has started a run of `key`.
+async fn wait_for_run(runs: &Runs, key: &str) {
+    let started = Instant::now();
+    while !runs.keys.lock().unwrap().values().any(|k| k == key) {
+        assert!(started.elapsed() < DEADLINE, "the pipe never reached {key}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn events_of(log: &Log, key: &str) -> Vec<&'static str> {
+    log.lock()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k == key)
+        .map(|(_, e)| *e)
+        .collect()
+}
+
+/// Shutdown while the record in hand is being retried (its handler fails every time, no
+/// `max_attempts`): the pipe stops within a bounded time instead of retrying forever, the
+/// failing key's claim is released, the records before it are committed and it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_interrupts_a_record_being_retried() {
+    let Some(broker) = broker::start() else {
+        return;
+    };
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    broker.create_topic(&input, 1).await;
+    broker.create_topic(&output, 1).await;
+    let keys: Vec<(i32, String)> = (0..3).map(|i| (0, format!("order-{i:04}"))).collect();
+    produce(&broker, &input, 1, &keys).await;
+
+    let (gate, log) = gate();
+    let config = PipeConfig::new(source(&broker, &group, &input), &unique("tx"))
+        .unwrap()
+        .batch(10, Duration::from_secs(1))
+        .unwrap();
+    let pipe = TransactionalPipe::new(gate, config).unwrap();
+    let (failed, mut failures) = watch::channel(0u32);
+    let out = output.clone();
+    let handler = move |input: Input| {
+        let fail = input.key == "order-0001";
+        if fail {
+            failed.send_modify(|n| *n += 1);
+        }
+        let out = out.clone();
+        async move {
+            if fail {
+                Err("always fails".to_owned())
+            } else {
+                Ok(vec![Output::new(&out, input.record.payload)])
+            }
+        }
+    };
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        pipe.run(handler, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await
+    });
+    let _ = tokio::time::timeout(DEADLINE, failures.wait_for(|n| *n >= 3))
+        .await
+        .expect("the handler failed three times");
+    stop.send(true).unwrap();
+    let stats = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("the pipe stops while a record is being retried")
+        .unwrap()
+        .expect("pipe run");
+    println!("{stats:?}");
+    assert_eq!(events_of(&log, "order-0000"), ["claimed", "completed"]);
+    let failing = events_of(&log, "order-0001");
+    assert_eq!(failing.last(), Some(&"released"), "{failing:?}");
+    assert!(events_of(&log, "order-0002").is_empty());
+    assert_eq!(
+        broker::committed(&broker.bootstrap, &group, &input, 1),
+        [Some(1)],
+        "order-0000 committed, order-0001 not"
+    );
+}
+
+/// A commit slower than the gate's lease (every request to the mock broker delayed 3 s, the
+/// lease 3 s): the batch's claims stay renewed while it commits, so a claim of one of its keys
+/// made once a lease has passed meanwhile finds it still held, and every key is completed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_claims_are_renewed_while_a_slow_commit_runs() {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    cluster.create_topic(&input, 1, 1).unwrap();
+    cluster.create_topic(&output, 1, 1).unwrap();
+    let keys = produce_to_mock(&bootstrap, &input, 6).await;
+    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
+    let config = PipeConfig::new(source, &unique("tx"))
+        .unwrap()
+        .batch(100, Duration::from_secs(1))
+        .unwrap();
+    let (gate, log) = gate();
+    let lease = Duration::from_secs(3);
+    let gate = gate.lease(lease).unwrap();
+    let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
+    let runs = Arc::new(Runs::default());
+    let (release, released) = watch::channel(false);
+    let (stop, mut stopped) = watch::channel(false);
+    let handler = latched_handler(runs.clone(), output.clone(), "order-0003", released);
+    let task = tokio::spawn(async move {
+        pipe.run(handler, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await
+    });
+    // Records 0..=2 are in the open batch; the batch is past its period, so the commit
+    // starts as soon as order-0003's handler returns.
+    wait_for_run(&runs, "order-0003").await;
+    cluster
+        .broker_round_trip_time(1, Duration::from_secs(3))
+        .unwrap();
+    release.send(true).unwrap();
+    // More than a lease later, the commit (several requests of 3 s each) is still under way.
+    tokio::time::sleep(lease + Duration::from_millis(1500)).await;
+    let probe = gate
+        .gate()
+        .claim(
+            "pipe-test",
+            "order-0000",
+            dedupgate_core::ClaimOptions {
+                fingerprint: Some(hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"{}"))),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    match &probe {
+        Claim::Duplicate { record } => assert_eq!(
+            record.state,
+            dedupgate_core::State::InProgress,
+            "the probe came after the commit: inconclusive"
+        ),
+        Claim::New(_) => panic!("a key of the batch being committed was taken over: {probe:?}"),
+    }
+    cluster
+        .broker_round_trip_time(1, Duration::from_millis(0))
+        .unwrap();
+    let started = Instant::now();
+    while keys
+        .iter()
+        .any(|k| !events_of(&log, k).contains(&"completed"))
+    {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "log: {:?}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap().expect("pipe run");
+    println!("{stats:?}");
+    assert_eq!(stats.unrecorded, 0, "{stats:?}");
+    for key in &keys {
+        assert_eq!(events_of(&log, key), ["claimed", "completed"], "{key}");
+    }
+}
+
+/// A commit whose outcome stays unknown (the coordinator answers every EndTxn with a
+/// retriable error, so each `commit_transaction` call fails retriably): the pipe asks again,
+/// then stops with `CommitUnknown`, and the batch's claims are not released (the
+/// transaction may have committed): they are left to their leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_of_unknown_outcome_keeps_its_claims() {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    cluster.create_topic(&input, 1, 1).unwrap();
+    cluster.create_topic(&output, 1, 1).unwrap();
+    let keys = produce_to_mock(&bootstrap, &input, 10).await;
+    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
+    let config = PipeConfig::new(source, &unique("tx"))
+        .unwrap()
+        .batch(5, Duration::from_secs(5))
+        .unwrap()
+        .call_timeout(Duration::from_secs(1))
+        .unwrap();
+    let (gate, log) = gate();
+    let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
+    let runs = Arc::new(Runs::default());
+    let (release, released) = watch::channel(false);
+    let handler = latched_handler(runs.clone(), output.clone(), "order-0007", released);
+    let task = tokio::spawn(async move { pipe.run(handler, std::future::pending()).await });
+    wait_for_run(&runs, "order-0007").await;
+    cluster.request_errors(
+        RDKafkaApiKey::EndTxn,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE; 5000],
+    );
+    release.send(true).unwrap();
+    let result = tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("the pipe stops")
+        .unwrap();
+    assert!(
+        matches!(&result, Err(KafkaError::CommitUnknown { .. })),
+        "{result:?}"
+    );
+    for key in &keys[..5] {
+        assert_eq!(events_of(&log, key), ["claimed", "completed"], "{key}");
+    }
+    for key in &keys[5..] {
+        assert_eq!(
+            events_of(&log, key),
+            ["claimed"],
+            "{key}: held, not released"
+        );
+    }
+}
+
+/// A commit made while a record is in hand (order-0005's handler failed, so the records before
+/// it commit) is refused and aborts: the rewind takes the record in hand back too, so it is
+/// consumed again rather than kept and also consumed again, and the next batch's rewind goes
+/// back to its lowest offset. A second refused commit then rewinds to order-0000 (not to the
+/// in-hand record's offset, which skipped order-0000..0004 before): every key is completed
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abort_while_a_record_is_in_hand_rewinds_to_the_lowest_offset() {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+    cluster.create_topic(&input, 1, 1).unwrap();
+    cluster.create_topic(&output, 1, 1).unwrap();
+    let keys = produce_to_mock(&bootstrap, &input, 10).await;
+    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
+    let config = PipeConfig::new(source, &unique("tx"))
+        .unwrap()
+        .batch(100, Duration::from_secs(1))
+        .unwrap();
+    let (gate, log) = gate();
+    let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
+    let runs = Arc::new(Runs::default());
+    let (release_first, first_released) = watch::channel(false);
+    let (release_second, second_released) = watch::channel(false);
+    let handler = {
+        let (runs, output) = (runs.clone(), output.clone());
+        move |input: Input| {
+            let first_of = |key: &str| !runs.keys.lock().unwrap().values().any(|k| k == key);
+            let fail = input.key == "order-0005" && first_of("order-0005");
+            let hold = input.key == "order-0009" && first_of("order-0009");
+            let run = runs.start(&input.key);
+            let output = output.clone();
+            let (mut first, mut second) = (first_released.clone(), second_released.clone());
+            async move {
+                if fail {
+                    let _ = first.wait_for(|r| *r).await;
+                    return Err("fails once".to_owned());
+                }
+                if hold {
+                    let _ = second.wait_for(|r| *r).await;
+                }
+                Ok(vec![
+                    Output::new(&output, input.record.payload).header(RUN_HEADER, run.to_string())
+                ])
+            }
+        }
+    };
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        pipe.run(handler, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await
+    });
+    let refuse_next_commit = || {
+        cluster.request_errors(
+            RDKafkaApiKey::EndTxn,
+            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN],
+        )
+    };
+    wait_for_run(&runs, "order-0005").await;
+    refuse_next_commit();
+    release_first.send(true).unwrap();
+    wait_for_run(&runs, "order-0009").await;
+    refuse_next_commit();
+    release_second.send(true).unwrap();
+    let started = Instant::now();
+    while keys
+        .iter()
+        .any(|k| !events_of(&log, k).contains(&"completed"))
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "log: {:?}",
+            log.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap().expect("pipe run");
+    println!("{stats:?}");
+    assert_eq!(stats.transactions_aborted, 2, "{stats:?}");
+    for key in &keys {
+        let events = events_of(&log, key);
+        let completed = events.iter().filter(|e| **e == "completed").count();
+        assert_eq!(completed, 1, "{key}: {events:?}");
+    }
+    let (committed, _aborted) = committed_and_aborted(&runs, &log);
+    let outputs = read_outputs(&bootstrap, &output, 1, keys.len()).await;
+    let counts = per_key(&outputs, &committed);
+    assert_eq!(counts.len(), keys.len(), "{counts:?}");
     assert!(counts.values().all(|n| *n == 1), "{counts:?}");
 }

@@ -5,8 +5,13 @@ use std::time::Duration;
 
 use dedupgate_core::InvalidInput;
 
-/// The header the key comes from by default.
-pub const KEY_HEADER_DEFAULT: &str = "idempotency-key";
+/// The header of a consumed record that its dedup key is read from, by default
+/// ([`KafkaConfig::key_header`] names another). Not [`DEDUP_KEY_HEADER`](super::DEDUP_KEY_HEADER),
+/// which the pipe and the dead letters write.
+pub const SOURCE_KEY_HEADER_DEFAULT: &str = "idempotency-key";
+/// The former name of [`SOURCE_KEY_HEADER_DEFAULT`].
+#[deprecated(note = "renamed SOURCE_KEY_HEADER_DEFAULT: the header keys are read from")]
+pub const KEY_HEADER_DEFAULT: &str = SOURCE_KEY_HEADER_DEFAULT;
 /// Default bound of records in hand at once (handled, waiting for a retry, or being
 /// dead-lettered), across all partitions. At the bound the consumer stops fetching: that is
 /// the backpressure, and the memory bound.
@@ -78,7 +83,7 @@ impl KafkaConfig {
                 ("auto.offset.reset".into(), "earliest".into()),
             ],
             topics: topics.iter().map(|t| (*t).to_owned()).collect(),
-            key_header: KEY_HEADER_DEFAULT.to_owned(),
+            key_header: SOURCE_KEY_HEADER_DEFAULT.to_owned(),
             record_key: RecordKey::FromGate,
             dead_letter_topic: None,
             in_flight: IN_FLIGHT_DEFAULT,
@@ -105,7 +110,7 @@ impl KafkaConfig {
     }
 
     /// The header the key comes from when the gate's key source is the message id (default
-    /// [`KEY_HEADER_DEFAULT`]). Header names are compared byte for byte, as Kafka keeps them.
+    /// [`SOURCE_KEY_HEADER_DEFAULT`]). Header names are compared byte for byte, as Kafka keeps them.
     pub fn key_header(mut self, name: &str) -> Result<Self, InvalidInput> {
         non_empty("key_header", name)?;
         self.key_header = name.to_owned();
@@ -255,7 +260,7 @@ mod tests {
                 .count(),
             1
         );
-        assert_eq!(c.key_header, KEY_HEADER_DEFAULT);
+        assert_eq!(c.key_header, SOURCE_KEY_HEADER_DEFAULT);
         assert_eq!(c.record_key, RecordKey::FromGate);
         assert_eq!(c.key_from_position().record_key, RecordKey::Position);
     }

@@ -15,8 +15,13 @@ pub const REASON_HEADER: &str = "dedupgate-reason";
 pub const OUTCOME_HEADER: &str = "dedupgate-outcome";
 /// Header holding where the record came from, `topic/partition/offset`.
 pub const SOURCE_HEADER: &str = "dedupgate-source";
-/// Header holding the dedup key, when one could be made.
-pub const KEY_HEADER: &str = "dedupgate-key";
+/// Header the gate writes with the dedup key it used (when one could be made), on dead
+/// letters and on the transactional pipe's outputs. Not the header keys are read from
+/// ([`SOURCE_KEY_HEADER_DEFAULT`](super::SOURCE_KEY_HEADER_DEFAULT)).
+pub const DEDUP_KEY_HEADER: &str = "dedupgate-key";
+/// The former name of [`DEDUP_KEY_HEADER`].
+#[deprecated(note = "renamed DEDUP_KEY_HEADER: the header the gate writes with the key it used")]
+pub const KEY_HEADER: &str = DEDUP_KEY_HEADER;
 
 /// How long one dead-letter publish may wait for the broker's acknowledgement (librdkafka
 /// retries within it) before the consumer tries again later.
@@ -108,7 +113,7 @@ pub(crate) fn dead_letter_headers(
         (SOURCE_HEADER, source.as_str()),
     ];
     if let Some(key) = key {
-        added.push((KEY_HEADER, key));
+        added.push((DEDUP_KEY_HEADER, key));
     }
     for (name, value) in added {
         headers = headers.insert(Header {

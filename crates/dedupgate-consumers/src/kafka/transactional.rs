@@ -18,11 +18,12 @@ use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::sync::watch;
 
 use super::dead_letter::{dead_letter_headers, is_connection_property};
 use super::partitions::Tp;
 use super::record::key_of;
-use super::{KafkaConfig, KafkaError, Record, KEY_HEADER};
+use super::{KafkaConfig, KafkaError, Record, DEDUP_KEY_HEADER};
 use crate::{ConsumerGate, Rejection};
 
 /// Default bound of records in one transaction: a batch commits when it holds this many.
@@ -36,11 +37,12 @@ pub const BATCH_EVERY_DEFAULT: Duration = Duration::from_millis(100);
 /// Default `transaction.timeout.ms`: the broker aborts a transaction left open this long (a
 /// pipe that died mid-batch), which lets the partitions' next holder read past it.
 pub const TRANSACTION_TIMEOUT_DEFAULT: Duration = Duration::from_secs(60);
-/// How long one blocking transaction call (init, send offsets, commit, abort) may take.
-const TXN_CALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// How many times a commit that failed with a retriable error is asked again before the
-/// transaction is aborted.
-const COMMIT_TRIES: u32 = 3;
+/// Default bound of one blocking transaction call (init, send offsets, commit, abort).
+pub const TRANSACTION_CALL_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+/// How many times `commit_transaction` is called in all while it fails with a retriable error
+/// (its outcome unknown: librdkafka says to call it again). Past that the pipe stops with
+/// [`KafkaError::CommitUnknown`], the claims left held: the transaction may have committed.
+const COMMIT_TRIES: u32 = 5;
 /// How long an output waits for room in the producer's queue before the batch is aborted.
 const QUEUE_FULL_WAIT: Duration = Duration::from_secs(10);
 
@@ -55,6 +57,7 @@ pub struct PipeConfig {
     pub(crate) batch_records: usize,
     pub(crate) batch_every: Duration,
     pub(crate) transaction_timeout: Duration,
+    pub(crate) call_timeout: Duration,
 }
 
 impl PipeConfig {
@@ -71,6 +74,7 @@ impl PipeConfig {
             batch_records: BATCH_RECORDS_DEFAULT,
             batch_every: BATCH_EVERY_DEFAULT,
             transaction_timeout: TRANSACTION_TIMEOUT_DEFAULT,
+            call_timeout: TRANSACTION_CALL_TIMEOUT_DEFAULT,
         })
     }
 
@@ -106,6 +110,21 @@ impl PipeConfig {
         Ok(self)
     }
 
+    /// How long one blocking transaction call (init, send offsets, commit, abort) may take,
+    /// 1 s to 5 minutes (default [`TRANSACTION_CALL_TIMEOUT_DEFAULT`]). A commit that times out
+    /// is called again (see [`KafkaError::CommitUnknown`]), so the pipe waits for a commit at
+    /// most a few times this.
+    pub fn call_timeout(mut self, timeout: Duration) -> Result<Self, InvalidInput> {
+        if timeout < Duration::from_secs(1) || timeout > Duration::from_secs(300) {
+            return Err(InvalidInput::new(
+                "call_timeout",
+                format!("must be 1 s to 5 minutes, got {timeout:?}"),
+            ));
+        }
+        self.call_timeout = timeout;
+        Ok(self)
+    }
+
     /// The transactional id.
     pub fn transactional_id(&self) -> &str {
         &self.transactional_id
@@ -134,7 +153,7 @@ pub struct Output {
     pub key: Option<Vec<u8>>,
     /// The payload.
     pub payload: Vec<u8>,
-    /// Headers, in order. The pipe adds [`KEY_HEADER`] with the dedup key.
+    /// Headers, in order. The pipe adds [`DEDUP_KEY_HEADER`] with the dedup key.
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
@@ -258,6 +277,40 @@ struct Batch {
     revoked: Option<Result<(), RdKafkaError>>,
 }
 
+impl Batch {
+    /// Takes a consumed record's position. The first offset is the lowest taken, not the
+    /// first seen: a record consumed again after a rewind comes before records taken earlier
+    /// in the batch, and the rewind must go back to it.
+    fn take_position(&mut self, tp: Tp, offset: i64) {
+        let next = offset.saturating_add(1);
+        self.positions
+            .entry(tp)
+            .and_modify(|(first, n)| {
+                *first = (*first).min(offset);
+                *n = (*n).max(next);
+            })
+            .or_insert((offset, next));
+    }
+
+    /// A revoke aborted the transaction (`aborted` says whether the abort went through). No
+    /// transaction is open and no commit is due: the run loop's next turn releases the claims
+    /// and rewinds ([`TransactionalPipe::after_revoke`]) instead of a commit timer firing
+    /// again and again on a batch that cannot commit.
+    fn revoke(&mut self, aborted: Result<(), RdKafkaError>) {
+        self.open = false;
+        self.started = None;
+        self.due = false;
+        self.revoked = Some(aborted);
+    }
+
+    /// When the open batch must commit: now when full, else its period after it began; never
+    /// with no transaction open.
+    fn deadline(&self, every: Duration) -> Option<Instant> {
+        let started = self.started?;
+        Some(if self.due { started } else { started + every })
+    }
+}
+
 fn lock(batch: &Mutex<Batch>) -> MutexGuard<'_, Batch> {
     // Each change to the batch is one call under the lock; a panic elsewhere cannot leave it
     // half-updated.
@@ -269,6 +322,7 @@ fn lock(batch: &Mutex<Batch>) -> MutexGuard<'_, Batch> {
 struct PipeContext {
     producer: Arc<FutureProducer>,
     batch: Arc<Mutex<Batch>>,
+    call_timeout: Duration,
 }
 
 impl ClientContext for PipeContext {}
@@ -278,16 +332,16 @@ impl ConsumerContext for PipeContext {
         if let Rebalance::Revoke(tpl) = rebalance {
             let mut batch = lock(&self.batch);
             if batch.open {
-                // Blocking, inside the consumer's poll: the partitions must not go while the
-                // transaction that would commit their offsets is still open.
-                let aborted = self.producer.abort_transaction(TXN_CALL_TIMEOUT);
+                // Blocking, inside the consumer's poll (so on the task that polls): the
+                // partitions must not go while the transaction that would commit their
+                // offsets is still open, and the callback cannot wait for anything else.
+                let aborted = self.producer.abort_transaction(self.call_timeout);
                 tracing::info!(
                     partitions = tpl.count(),
                     ok = aborted.is_ok(),
                     "kafka pipe: partitions revoked; the open transaction was aborted"
                 );
-                batch.open = false;
-                batch.revoked = Some(aborted);
+                batch.revoke(aborted);
             }
         }
     }
@@ -305,6 +359,9 @@ pub struct TransactionalPipe {
     /// a record whose outputs never go through is dead-lettered after `max_attempts` instead
     /// of aborting every batch. Entries go once their record commits.
     produce_failures: Mutex<HashMap<(Tp, i64), u32>>,
+    /// Set once `run`'s shutdown completed: the waits between retries of the record in hand
+    /// end early, so a stop is not held up by a record that keeps failing.
+    stopping: watch::Sender<bool>,
     counters: Counters,
 }
 
@@ -374,6 +431,7 @@ impl TransactionalPipe {
             .create_with_context(PipeContext {
                 producer: producer.clone(),
                 batch: batch.clone(),
+                call_timeout: config.call_timeout,
             })
             .map_err(KafkaError::Client)?;
         let topics: Vec<&str> = config.source.topics.iter().map(String::as_str).collect();
@@ -385,6 +443,7 @@ impl TransactionalPipe {
             producer,
             batch,
             produce_failures: Mutex::default(),
+            stopping: watch::Sender::new(false),
             counters: Counters::default(),
         })
     }
@@ -427,32 +486,34 @@ impl TransactionalPipe {
         E: fmt::Display,
         S: Future<Output = ()>,
     {
+        self.stopping.send_replace(false);
         let producer = self.producer.clone();
-        blocking(move || producer.init_transactions(TXN_CALL_TIMEOUT))
+        let call_timeout = self.config.call_timeout;
+        blocking(move || producer.init_transactions(call_timeout))
             .await
             .map_err(|e| self.fatal(e))?;
         tokio::pin!(shutdown);
         let stopped = loop {
+            // A revoke happens inside the consumer's poll, which may end without a record:
+            // its batch is settled at the next turn, whichever branch woke the loop.
+            if let Err(e) = self.after_revoke().await {
+                break Err(e);
+            }
             // Checked before receiving: while records keep coming, the receive branch is
             // always ready and a timer alone would never get its turn.
             if self.due() {
-                if let Err(e) = self.commit().await {
+                if let Err(e) = self.commit(None).await {
                     break Err(e);
                 }
             }
-            let deadline = {
-                let batch = lock(&self.batch);
-                match batch.started {
-                    Some(_) if batch.due => Some(tokio::time::Instant::now()),
-                    Some(s) => Some(tokio::time::Instant::from_std(s + self.config.batch_every)),
-                    None => None,
-                }
-            };
+            let deadline = lock(&self.batch)
+                .deadline(self.config.batch_every)
+                .map(tokio::time::Instant::from_std);
             tokio::select! {
                 biased;
                 () = &mut shutdown => break Ok(()),
                 () = sleep_until(deadline) => {
-                    if let Err(e) = self.commit().await {
+                    if let Err(e) = self.commit(None).await {
                         break Err(e);
                     }
                 }
@@ -470,8 +531,23 @@ impl TransactionalPipe {
                             if rewound.contains(&tp) {
                                 continue;
                             }
-                            if let Err(e) = self.process(record, &handler).await {
+                            let work = self.process(record, &handler);
+                            tokio::pin!(work);
+                            let (done, stop) = tokio::select! {
+                                biased;
+                                done = &mut work => (done, false),
+                                () = &mut shutdown => {
+                                    // The record in hand finishes what it is doing (a
+                                    // handler run, a commit) but waits for no retry.
+                                    self.stopping.send_replace(true);
+                                    (work.await, true)
+                                }
+                            };
+                            if let Err(e) = done {
                                 break Err(e);
+                            }
+                            if stop {
+                                break Ok(());
                             }
                         }
                         Err(e @ RdKafkaError::MessageConsumptionFatal(_)) => {
@@ -490,7 +566,7 @@ impl TransactionalPipe {
         match stopped {
             Ok(()) => {
                 self.after_revoke().await?;
-                self.commit().await?;
+                self.commit(None).await?;
                 Ok(self.stats())
             }
             Err(e) => {
@@ -499,7 +575,7 @@ impl TransactionalPipe {
                 let batch = std::mem::take(&mut *lock(&self.batch));
                 if batch.open {
                     let producer = self.producer.clone();
-                    let _ = blocking(move || producer.abort_transaction(TXN_CALL_TIMEOUT)).await;
+                    let _ = blocking(move || producer.abort_transaction(call_timeout)).await;
                 }
                 self.release(&batch.claims).await;
                 Err(e)
@@ -509,13 +585,14 @@ impl TransactionalPipe {
 
     /// True when the open batch is full or has been open for the batch period.
     fn due(&self) -> bool {
-        let batch = lock(&self.batch);
-        batch
-            .started
-            .is_some_and(|s| batch.due || s.elapsed() >= self.config.batch_every)
+        lock(&self.batch)
+            .deadline(self.config.batch_every)
+            .is_some_and(|d| d <= Instant::now())
     }
 
     /// One record: its key, the gate, the handler, its outputs into the open transaction.
+    /// When a commit made while it is in hand aborts, the record is dropped here: the rewind
+    /// went back to it (or before), so it is consumed again.
     async fn process<H, Fut, E>(&self, record: Record, handler: &H) -> Result<(), KafkaError>
     where
         H: Fn(Input) -> Fut,
@@ -538,6 +615,7 @@ impl TransactionalPipe {
             }
         };
         let tp: Tp = (record.topic.clone(), record.partition);
+        let in_hand = Some((&tp, record.offset));
         let failures = self.produce_failures_of(&tp, record.offset);
         let policy = gate.failure_retry;
         if failures > 0 && policy.gives_up(Some(failures)) {
@@ -549,7 +627,7 @@ impl TransactionalPipe {
             if lock(&self.batch).keys.contains(&key) {
                 // A copy of a key this transaction holds: it commits (or aborts) with the first.
                 bump(&self.counters.duplicates);
-                return self.add(&record);
+                return self.add(&record).await;
             }
             let claimed = gate
                 .gate()
@@ -559,14 +637,21 @@ impl TransactionalPipe {
                 Ok(Claim::New(lease)) => lease,
                 Ok(Claim::Duplicate { record: held }) if held.state == State::Completed => {
                     bump(&self.counters.duplicates);
-                    return self.add(&record);
+                    return self.add(&record).await;
                 }
                 Ok(Claim::Duplicate { record: held }) => {
                     // Held by another member: commit what is done (so this batch's claims
                     // are not held while waiting), then ask again.
-                    self.commit().await?;
+                    if self.commit(in_hand).await? == Settled::Aborted {
+                        return Ok(());
+                    }
                     bump(&self.counters.retries);
-                    tokio::time::sleep(gate.in_progress_delay(held.lease_expires_at_ms)).await;
+                    if !self
+                        .pause(gate.in_progress_delay(held.lease_expires_at_ms))
+                        .await
+                    {
+                        return Ok(());
+                    }
                     continue;
                 }
                 Err(GateError::FingerprintMismatch) => {
@@ -583,9 +668,13 @@ impl TransactionalPipe {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, position = %record.position(), "kafka pipe: the gate could not decide; retried");
-                    self.commit().await?;
+                    if self.commit(in_hand).await? == Settled::Aborted {
+                        return Ok(());
+                    }
                     bump(&self.counters.retries);
-                    tokio::time::sleep(gate.unavailable_delay()).await;
+                    if !self.pause(gate.unavailable_delay()).await {
+                        return Ok(());
+                    }
                     continue;
                 }
             };
@@ -598,7 +687,9 @@ impl TransactionalPipe {
                 record: record.clone(),
                 attempt,
             };
-            let outcome = self.renewing(&held, handler(input)).await;
+            let outcome = self
+                .renewing(std::slice::from_ref(&held), handler(input))
+                .await;
             let outputs = match outcome {
                 Ok(outputs) => outputs,
                 Err(e) => {
@@ -609,74 +700,88 @@ impl TransactionalPipe {
                     }
                     tracing::warn!(position = %record.position(), "kafka pipe: {reason}; retried");
                     // The records before it commit now; it is retried in hand.
-                    self.commit().await?;
+                    if self.commit(in_hand).await? == Settled::Aborted {
+                        return Ok(());
+                    }
                     bump(&self.counters.retries);
-                    tokio::time::sleep(policy.jittered_delay(Some(attempt))).await;
+                    if !self.pause(policy.jittered_delay(Some(attempt))).await {
+                        // Stopping: neither taken into the batch nor committed; consumed
+                        // again by the partition's next reader.
+                        return Ok(());
+                    }
                     attempt = attempt.saturating_add(1);
                     continue;
                 }
             };
             bump(&self.counters.ran);
-            let joined = self.begun().map(|mut batch| {
-                batch.keys.insert(key.clone());
-                batch.claims.push(held.clone());
-            });
-            if let Err(e) = joined {
+            if let Err(e) = self.begun().await {
                 // No transaction could begin: the claim is not the batch's, so it is let go here.
                 self.release(std::slice::from_ref(&held)).await;
                 return Err(e);
             }
+            {
+                let mut batch = lock(&self.batch);
+                batch.keys.insert(key.clone());
+                batch.claims.push(held.clone());
+            }
             for output in &outputs {
-                if let Err(e) = self.produce(output, &key).await {
+                // A full producer queue can keep it waiting: the claims stay renewed.
+                if let Err(e) = self.renewing(&[], self.produce(output, &key)).await {
                     // The record's position joins the batch so the rewind covers it.
-                    self.add(&record)?;
+                    self.add(&record).await?;
                     self.count_produce_failure(&tp, record.offset);
                     tracing::warn!(error = %e, position = %record.position(), "kafka pipe: an output could not be produced; the transaction is aborted");
                     let batch = std::mem::take(&mut *lock(&self.batch));
-                    self.abort(batch, e).await?;
+                    self.abort(batch, e, None).await?;
                     // A broker refusing the outputs is not hammered.
-                    tokio::time::sleep(policy.jittered_delay(Some(attempt))).await;
+                    self.pause(policy.jittered_delay(Some(attempt))).await;
                     return Ok(());
                 }
                 bump(&self.counters.produced);
             }
-            return self.add(&record);
+            return self.add(&record).await;
         }
+    }
+
+    /// Waits `delay`, or less once the pipe is stopping: false when it is.
+    async fn pause(&self, delay: Duration) -> bool {
+        let mut stopping = self.stopping.subscribe();
+        let slept = tokio::select! {
+            () = tokio::time::sleep(delay) => true,
+            _ = stopping.wait_for(|s| *s) => false,
+        };
+        slept && !*self.stopping.borrow()
     }
 
     /// Takes `record`'s offset into the open transaction (beginning one if none is open) and
     /// commits when the batch is full.
-    fn add(&self, record: &Record) -> Result<(), KafkaError> {
-        let full = {
-            let mut batch = self.begun()?;
-            let tp = (record.topic.clone(), record.partition);
-            let next = record.offset.saturating_add(1);
-            batch
-                .positions
-                .entry(tp)
-                .and_modify(|(_, n)| *n = (*n).max(next))
-                .or_insert((record.offset, next));
-            batch.records += 1;
-            batch.records >= self.config.batch_records
-        };
-        if full {
+    async fn add(&self, record: &Record) -> Result<(), KafkaError> {
+        self.begun().await?;
+        let mut batch = lock(&self.batch);
+        batch.take_position((record.topic.clone(), record.partition), record.offset);
+        batch.records += 1;
+        if batch.records >= self.config.batch_records {
             // Committed by the receive loop's next turn.
-            lock(&self.batch).due = true;
+            batch.due = true;
         }
         Ok(())
     }
 
-    /// The batch, with a transaction open on the producer.
-    fn begun(&self) -> Result<MutexGuard<'_, Batch>, KafkaError> {
-        let mut batch = lock(&self.batch);
-        if !batch.open {
-            self.producer
-                .begin_transaction()
-                .map_err(|e| self.fatal(e))?;
-            batch.open = true;
-            batch.started = Some(Instant::now());
+    /// Begins a transaction on the producer unless one is open. `begin_transaction` waits for
+    /// librdkafka's own thread, so it runs off the runtime's threads; records are processed
+    /// one at a time, so no other begin races it.
+    async fn begun(&self) -> Result<(), KafkaError> {
+        if lock(&self.batch).open {
+            return Ok(());
         }
-        Ok(batch)
+        let producer = self.producer.clone();
+        blocking(move || producer.begin_transaction())
+            .await
+            .map_err(|e| self.fatal(e))?;
+        let mut batch = lock(&self.batch);
+        batch.open = true;
+        batch.started = Some(Instant::now());
+        Ok(())
     }
 
     /// Puts one output into the open transaction (its delivery is awaited by the commit).
@@ -689,7 +794,7 @@ impl TransactionalPipe {
             });
         }
         headers = headers.insert(Header {
-            key: KEY_HEADER,
+            key: DEDUP_KEY_HEADER,
             value: Some(key),
         });
         let mut record = FutureRecord::<[u8], [u8]>::to(&output.topic)
@@ -734,31 +839,45 @@ impl TransactionalPipe {
         let Some(topic) = &self.config.source.dead_letter_topic else {
             bump(&self.counters.dropped);
             tracing::error!(position = %record.position(), "kafka pipe: rejected with no dead-letter topic configured, committed past: {reason}");
-            return self.add(record);
+            return self.add(record).await;
         };
-        drop(self.begun()?);
+        self.begun().await?;
         let mut copy = FutureRecord::<[u8], [u8]>::to(topic)
             .payload(&record.payload)
             .headers(dead_letter_headers(record, key, outcome, reason));
         if let Some(k) = &record.key {
             copy = copy.key(k);
         }
-        if let Err(e) = self.send(copy).await {
-            self.add(record)?;
+        if let Err(e) = self.renewing(&[], self.send(copy)).await {
+            self.add(record).await?;
             let batch = std::mem::take(&mut *lock(&self.batch));
-            return self.abort(batch, e).await;
+            return self.abort(batch, e, None).await;
         }
         bump(&self.counters.dead_lettered);
-        self.add(record)
+        self.add(record).await
     }
 
-    /// Commits the open transaction with its consumed offsets, then completes its claims. A
-    /// commit that fails aborts the transaction (see [`TransactionalPipe::abort`]).
-    async fn commit(&self) -> Result<(), KafkaError> {
+    /// Commits the open transaction with its consumed offsets, then completes its claims.
+    /// `in_hand`: the record being processed, not in the batch, when the commit is made
+    /// before it settles. The batch's claims are renewed while the commit is under way.
+    ///
+    /// A commit known not to have happened (an error librdkafka says needs an abort, a fatal
+    /// error, offsets the transaction refused) aborts: see [`TransactionalPipe::abort`]. A
+    /// commit whose outcome is unknown (it kept timing out) is asked again, up to
+    /// [`COMMIT_TRIES`] calls; then the pipe stops with [`KafkaError::CommitUnknown`] and the
+    /// claims are neither completed nor released: they lapse with their leases, so that a
+    /// transaction that did commit is not run again by another delivery meanwhile.
+    async fn commit(&self, in_hand: Option<(&Tp, i64)>) -> Result<Settled, KafkaError> {
+        if lock(&self.batch).revoked.is_some() {
+            // Not here from the run loop, which settles a revoke first: a revoke cannot come
+            // while a record is processed (it comes inside the consumer's poll).
+            self.after_revoke().await?;
+            return Ok(Settled::Aborted);
+        }
         let batch = {
             let mut batch = lock(&self.batch);
-            if !batch.open || batch.revoked.is_some() {
-                return Ok(());
+            if !batch.open {
+                return Ok(Settled::Nothing);
             }
             std::mem::take(&mut *batch)
         };
@@ -770,28 +889,49 @@ impl TransactionalPipe {
         let Some(group) = self.consumer.group_metadata() else {
             // Only a consumer outside a group has none (`group.id` is required): abort.
             let e = RdKafkaError::ClientCreation("no consumer group metadata".into());
-            return self.abort(batch, e).await;
+            return self
+                .abort(batch, e, in_hand)
+                .await
+                .map(|()| Settled::Aborted);
         };
-        let producer = self.producer.clone();
-        let committed = blocking(move || {
-            if !offsets.elements().is_empty() {
-                producer.send_offsets_to_transaction(&offsets, &group, TXN_CALL_TIMEOUT)?;
+        let call_timeout = self.config.call_timeout;
+        if !offsets.elements().is_empty() {
+            let producer = self.producer.clone();
+            let sent = blocking(move || {
+                producer.send_offsets_to_transaction(&offsets, &group, call_timeout)
+            });
+            if let Err(e) = self.renewing(&batch.claims, sent).await {
+                // Nothing was committed: the transaction can only abort.
+                return self
+                    .abort(batch, e, in_hand)
+                    .await
+                    .map(|()| Settled::Aborted);
             }
-            let mut tries = 0;
-            loop {
-                match producer.commit_transaction(TXN_CALL_TIMEOUT) {
-                    Err(RdKafkaError::Transaction(e))
-                        if e.is_retriable() && tries + 1 < COMMIT_TRIES =>
-                    {
-                        tries += 1;
-                    }
-                    done => return done,
+        }
+        let mut calls = 0;
+        loop {
+            calls += 1;
+            let producer = self.producer.clone();
+            let committed = blocking(move || producer.commit_transaction(call_timeout));
+            match self.renewing(&batch.claims, committed).await {
+                Ok(()) => break,
+                Err(e) if !outcome_unknown(&e) => {
+                    return self
+                        .abort(batch, e, in_hand)
+                        .await
+                        .map(|()| Settled::Aborted);
+                }
+                Err(e) if calls < COMMIT_TRIES => {
+                    tracing::warn!(error = %e, calls, "kafka pipe: commit outcome unknown; called again");
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, calls, claims = batch.claims.len(), "kafka pipe: commit outcome still unknown; stopping with the claims held until their leases run out");
+                    return Err(KafkaError::CommitUnknown {
+                        transactional_id: self.config.transactional_id.clone(),
+                        cause: e,
+                    });
                 }
             }
-        })
-        .await;
-        if let Err(e) = committed {
-            return self.abort(batch, e).await;
         }
         bump(&self.counters.committed);
         {
@@ -819,17 +959,24 @@ impl TransactionalPipe {
                 tracing::error!(key = %held.key, error = %e, "kafka pipe: transaction committed but the claim was not completed; the key stays held until its lease runs out");
             }
         }
-        Ok(())
+        Ok(Settled::Committed)
     }
 
     /// Aborts `batch`'s transaction because of `cause`, releases its claims and rewinds its
-    /// partitions to the batch's first offsets, so its records are consumed again. Fails
-    /// when the producer cannot go on (fenced, or another fatal error).
-    async fn abort(&self, batch: Batch, cause: RdKafkaError) -> Result<(), KafkaError> {
+    /// partitions to the batch's first offsets (and to `in_hand`, the record being processed,
+    /// when it is below), so its records are consumed again. Fails when the producer cannot
+    /// go on (fenced, or another fatal error) or a partition could not be rewound.
+    async fn abort(
+        &self,
+        mut batch: Batch,
+        cause: RdKafkaError,
+        in_hand: Option<(&Tp, i64)>,
+    ) -> Result<(), KafkaError> {
         let mut fatal = is_fatal(&cause).then_some(cause);
         if fatal.is_none() && batch.open {
             let producer = self.producer.clone();
-            if let Err(e) = blocking(move || producer.abort_transaction(TXN_CALL_TIMEOUT)).await {
+            let call_timeout = self.config.call_timeout;
+            if let Err(e) = blocking(move || producer.abort_transaction(call_timeout)).await {
                 fatal = Some(e);
             }
         }
@@ -838,8 +985,10 @@ impl TransactionalPipe {
         if let Some(e) = fatal {
             return Err(self.fatal(e));
         }
-        self.rewind(&batch.positions);
-        Ok(())
+        if let Some((tp, offset)) = in_hand {
+            batch.take_position(tp.clone(), offset);
+        }
+        self.rewind(batch.positions).await.map(drop)
     }
 
     /// After a revoke aborted the transaction (in the consumer's poll): releases its claims
@@ -857,32 +1006,51 @@ impl TransactionalPipe {
         if let Some(Err(e)) = batch.revoked {
             return Err(self.fatal(e));
         }
-        Ok(self.rewind(&batch.positions))
+        self.rewind(batch.positions).await
     }
 
     /// Seeks each partition still assigned back to its batch's first offset; returns them.
-    fn rewind(&self, positions: &HashMap<Tp, (i64, i64)>) -> HashSet<Tp> {
-        let assigned = self.consumer.assignment().unwrap_or_default();
-        let mut rewound = HashSet::new();
-        for ((topic, partition), (first, _)) in positions {
-            if assigned.find_partition(topic, *partition).is_none() {
-                continue;
-            }
-            match self.consumer.seek(
-                topic,
-                *partition,
-                Offset::Offset(*first),
-                Duration::from_secs(5),
-            ) {
-                Ok(()) => {
-                    rewound.insert((topic.clone(), *partition));
-                }
-                Err(e) => {
-                    tracing::warn!(topic = %topic, partition, error = %e, "kafka pipe: rewind failed; the partition resumes from its committed offset after the next rebalance")
-                }
-            }
+    ///
+    /// A seek that fails stops the pipe ([`KafkaError::Rewind`]): the consumer would go on
+    /// past records whose transaction aborted, and a later commit would commit their offsets
+    /// unprocessed. Pausing the partition until a seek succeeds would keep it from the rest
+    /// of the group meanwhile; stopping gives it up, and its next reader (another member, or
+    /// this pipe restarted) resumes from its committed offset, which is at or below the
+    /// aborted batch's first record. The claims are released before (by the abort).
+    async fn rewind(&self, positions: HashMap<Tp, (i64, i64)>) -> Result<HashSet<Tp>, KafkaError> {
+        if positions.is_empty() {
+            return Ok(HashSet::new());
         }
-        rewound
+        let consumer = self.consumer.clone();
+        let rewound = tokio::task::spawn_blocking(move || {
+            let assigned = consumer.assignment().unwrap_or_default();
+            rewind_each(
+                &positions,
+                |(topic, partition)| assigned.find_partition(topic, *partition).is_some(),
+                |(topic, partition), first| {
+                    consumer.seek(
+                        topic,
+                        *partition,
+                        Offset::Offset(first),
+                        Duration::from_secs(5),
+                    )
+                },
+            )
+        })
+        .await
+        .map_err(|_| RewindFailed {
+            tp: (String::new(), -1),
+            cause: RdKafkaError::Canceled,
+        })
+        .and_then(|r| r);
+        rewound.map_err(|failed| {
+            tracing::error!(topic = %failed.tp.0, partition = failed.tp.1, error = %failed.cause, "kafka pipe: rewind failed; stopping");
+            KafkaError::Rewind {
+                topic: failed.tp.0,
+                partition: failed.tp.1,
+                cause: failed.cause,
+            }
+        })
     }
 
     /// Releases claims of an aborted transaction. A release that fails leaves the key held
@@ -900,9 +1068,11 @@ impl TransactionalPipe {
         }
     }
 
-    /// Drives `work` (a handler) while renewing the lease of `current` and of every claim of
-    /// the open batch every third of the lease.
-    async fn renewing<T>(&self, current: &Held, work: impl Future<Output = T>) -> T {
+    /// Drives `work` (a handler, a produce waiting for room, a commit) while renewing the
+    /// lease of every claim of the open batch and of `extra` (the claim in hand, or the
+    /// claims of a batch being committed) every third of the lease: a wait longer than a
+    /// lease must not let another delivery take a key this pipe still holds.
+    async fn renewing<T>(&self, extra: &[Held], work: impl Future<Output = T>) -> T {
         let gate = &self.gate;
         let lease_ms = gate
             .lease_ms
@@ -914,7 +1084,7 @@ impl TransactionalPipe {
                 value = &mut work => return value,
                 () = tokio::time::sleep(period) => {
                     let mut held = lock(&self.batch).claims.clone();
-                    held.push(current.clone());
+                    held.extend_from_slice(extra);
                     for h in &held {
                         // A lost lease shows at the completion (counted as unrecorded).
                         let _ = gate
@@ -978,6 +1148,55 @@ fn is_fenced(e: &RdKafkaError) -> bool {
     )
 }
 
+/// What a commit did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Settled {
+    /// No transaction was open.
+    Nothing,
+    Committed,
+    /// The transaction aborted (or a revoke had aborted it): its claims are released and its
+    /// partitions rewound, to the record in hand too.
+    Aborted,
+}
+
+/// True when a failed `commit_transaction` may still have committed: not an error that
+/// needs an abort (the coordinator refused) and not fatal (fenced and the like), which all
+/// mean it did not. Retriable errors (a timeout) and any other say nothing either way.
+fn outcome_unknown(e: &RdKafkaError) -> bool {
+    match e {
+        RdKafkaError::Transaction(t) => !t.txn_requires_abort() && !is_fatal(e),
+        _ => !is_fatal(e),
+    }
+}
+
+/// A partition whose seek failed.
+#[derive(Debug)]
+struct RewindFailed {
+    tp: Tp,
+    cause: RdKafkaError,
+}
+
+/// Seeks each partition of `positions` that `assigned` says is held back to its first
+/// offset; the partitions sought, or the first whose seek failed.
+fn rewind_each(
+    positions: &HashMap<Tp, (i64, i64)>,
+    assigned: impl Fn(&Tp) -> bool,
+    mut seek: impl FnMut(&Tp, i64) -> Result<(), RdKafkaError>,
+) -> Result<HashSet<Tp>, RewindFailed> {
+    let mut rewound = HashSet::new();
+    for (tp, (first, _)) in positions {
+        if !assigned(tp) {
+            continue;
+        }
+        seek(tp, *first).map_err(|cause| RewindFailed {
+            tp: tp.clone(),
+            cause,
+        })?;
+        rewound.insert(tp.clone());
+    }
+    Ok(rewound)
+}
+
 /// Runs a blocking librdkafka call off the runtime's threads.
 async fn blocking<T: Send + 'static>(
     call: impl FnOnce() -> Result<T, RdKafkaError> + Send + 'static,
@@ -1034,6 +1253,90 @@ mod tests {
         assert_eq!(
             (c.batch_records, c.batch_every),
             (7, Duration::from_millis(5))
+        );
+    }
+
+    fn tp(partition: i32) -> Tp {
+        ("t".to_owned(), partition)
+    }
+
+    /// A record consumed again after a rewind (here 3, after 7 and 8 were taken) lowers the
+    /// batch's first offset: a later rewind goes back to it, not to the first offset seen.
+    #[test]
+    fn the_first_offset_is_the_lowest_taken() {
+        let mut batch = Batch::default();
+        batch.take_position(tp(0), 7);
+        batch.take_position(tp(0), 8);
+        batch.take_position(tp(1), 2);
+        batch.take_position(tp(0), 3);
+        batch.take_position(tp(0), 4);
+        assert_eq!(batch.positions[&tp(0)], (3, 9));
+        assert_eq!(batch.positions[&tp(1)], (2, 3));
+    }
+
+    /// A revoke leaves no commit due and no timer armed: before, the batch kept its start, so
+    /// the loop's timer fired at once on every turn while the revoke waited for a record.
+    #[test]
+    fn a_revoked_batch_arms_no_commit_timer() {
+        let every = Duration::from_millis(100);
+        let mut batch = Batch {
+            open: true,
+            started: Some(Instant::now() - Duration::from_secs(1)),
+            due: true,
+            ..Batch::default()
+        };
+        assert!(batch.deadline(every).is_some_and(|d| d <= Instant::now()));
+        batch.revoke(Ok(()));
+        assert_eq!(batch.deadline(every), None);
+        assert!(!batch.open);
+        assert!(matches!(batch.revoked, Some(Ok(()))));
+    }
+
+    /// A seek that fails is reported with its partition (the pipe stops on it) instead of
+    /// being skipped; partitions no longer assigned are not sought.
+    #[test]
+    fn a_failed_seek_is_an_error() {
+        let positions: HashMap<Tp, (i64, i64)> =
+            [(tp(0), (5, 9)), (tp(1), (2, 4)), (tp(2), (0, 1))].into();
+        let mut sought = Vec::new();
+        let ok = rewind_each(
+            &positions,
+            |t| t.1 != 2,
+            |t, first| {
+                sought.push((t.1, first));
+                Ok(())
+            },
+        )
+        .unwrap();
+        sought.sort();
+        assert_eq!(sought, [(0, 5), (1, 2)]);
+        assert_eq!(ok, HashSet::from([tp(0), tp(1)]));
+        let failed = rewind_each(
+            &positions,
+            |_| true,
+            |t, _| {
+                if t.1 == 1 {
+                    Err(RdKafkaError::Seek("erroneous state".into()))
+                } else {
+                    Ok(())
+                }
+            },
+        )
+        .unwrap_err();
+        assert_eq!(failed.tp, tp(1));
+    }
+
+    #[test]
+    fn the_call_timeout_is_bounded() {
+        let c = PipeConfig::new(source(), "tx").unwrap();
+        assert_eq!(c.call_timeout, TRANSACTION_CALL_TIMEOUT_DEFAULT);
+        assert_eq!(
+            c.clone().call_timeout(Duration::ZERO).unwrap_err().field,
+            "call_timeout"
+        );
+        assert_eq!(
+            c.call_timeout(Duration::from_secs(2)).unwrap().call_timeout,
+            Duration::from_secs(2)
         );
     }
 }
