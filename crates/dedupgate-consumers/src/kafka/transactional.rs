@@ -18,7 +18,7 @@ use rdkafka::error::{KafkaError as RdKafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use super::dead_letter::{dead_letter_headers, is_connection_property};
 use super::partitions::Tp;
@@ -323,6 +323,9 @@ struct PipeContext {
     producer: Arc<FutureProducer>,
     batch: Arc<Mutex<Batch>>,
     call_timeout: Duration,
+    /// Wakes the run loop after a revoke: the poll that ran the callback may end without a
+    /// record, and the revoked batch's claims must not wait for the next one to be released.
+    revoked: Arc<Notify>,
 }
 
 impl ClientContext for PipeContext {}
@@ -342,6 +345,7 @@ impl ConsumerContext for PipeContext {
                     "kafka pipe: partitions revoked; the open transaction was aborted"
                 );
                 batch.revoke(aborted);
+                self.revoked.notify_one();
             }
         }
     }
@@ -362,6 +366,8 @@ pub struct TransactionalPipe {
     /// Set once `run`'s shutdown completed: the waits between retries of the record in hand
     /// end early, so a stop is not held up by a record that keeps failing.
     stopping: watch::Sender<bool>,
+    /// Notified by the revoke callback (see [`PipeContext`]).
+    revoked: Arc<Notify>,
     counters: Counters,
 }
 
@@ -417,6 +423,7 @@ impl TransactionalPipe {
         let producer: Arc<FutureProducer> =
             Arc::new(producer_config.create().map_err(KafkaError::Client)?);
         let batch = Arc::new(Mutex::new(Batch::default()));
+        let revoked = Arc::new(Notify::new());
         let mut consumer_config = ClientConfig::new();
         for (name, value) in &config.source.properties {
             consumer_config.set(name, value);
@@ -432,6 +439,7 @@ impl TransactionalPipe {
                 producer: producer.clone(),
                 batch: batch.clone(),
                 call_timeout: config.call_timeout,
+                revoked: revoked.clone(),
             })
             .map_err(KafkaError::Client)?;
         let topics: Vec<&str> = config.source.topics.iter().map(String::as_str).collect();
@@ -444,6 +452,7 @@ impl TransactionalPipe {
             batch,
             produce_failures: Mutex::default(),
             stopping: watch::Sender::new(false),
+            revoked,
             counters: Counters::default(),
         })
     }
@@ -517,6 +526,8 @@ impl TransactionalPipe {
                         break Err(e);
                     }
                 }
+                // Settled at the top of the next turn.
+                () = self.revoked.notified() => {}
                 received = self.consumer.recv() => {
                     let rewound = match self.after_revoke().await {
                         Ok(rewound) => rewound,
