@@ -37,6 +37,7 @@ pub mod route;
 pub mod sink;
 mod source;
 
+use std::collections::HashMap;
 use std::future::Future;
 
 use dedupgate_consumers::ConsumerGate;
@@ -88,6 +89,14 @@ pub enum RelayError {
         route: String,
         /// The broker.
         broker: &'static str,
+    },
+    /// A route's task ended without an answer: it panicked (a bug) or was cancelled.
+    #[error("route {route:?}: stopped unexpectedly: {reason}")]
+    RouteFailed {
+        /// The route.
+        route: String,
+        /// What happened (a panic's message, when it had one).
+        reason: String,
     },
     /// The metrics address cannot be listened on.
     #[error("metrics: cannot listen on {addr}: {cause}")]
@@ -169,31 +178,33 @@ pub async fn run(
     };
     let (stop, stopped) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    // Which route each task runs: a task that panics is known only by its id.
+    let mut names = HashMap::new();
     for (route, cg, forward) in ready {
         let stopped = stopped.clone();
         tracing::info!(route = %route.name, to = %route.sink, "relay: route started");
-        tasks.spawn(run_route(route, cg, forward, stopped));
+        let name = route.name.clone();
+        let task = tasks.spawn(run_route(route, cg, forward, stopped));
+        names.insert(task.id(), name);
     }
     tokio::pin!(shutdown);
     let mut failure = None;
     tokio::select! {
         () = &mut shutdown => {}
-        Some(joined) = tasks.join_next() => failure = Some(joined),
+        Some(joined) = tasks.join_next_with_id() => failure = Some(joined),
     }
     let _ = stop.send(true);
     let mut first_error = None;
-    let mut note = |joined: Result<Result<(), RelayError>, tokio::task::JoinError>| match joined {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
+    let mut note = |joined| {
+        if let Err(e) = route_ended(&names, joined) {
             tracing::error!(error = %e, "relay: route stopped");
             first_error.get_or_insert(e);
         }
-        Err(e) => tracing::error!(error = %e, "relay: route task failed"),
     };
     if let Some(joined) = failure {
         note(joined);
     }
-    while let Some(joined) = tasks.join_next().await {
+    while let Some(joined) = tasks.join_next_with_id().await {
         note(joined);
     }
     if let Some(server) = server {
@@ -202,6 +213,37 @@ pub async fn run(
     match first_error {
         Some(e) => Err(e),
         None => Ok(metrics),
+    }
+}
+
+/// What a route task's end means for the relay: its own error, or (a panic, a cancellation)
+/// an error naming the route, so that the relay never exits as if all went well.
+fn route_ended(
+    names: &HashMap<tokio::task::Id, String>,
+    joined: Result<(tokio::task::Id, Result<(), RelayError>), tokio::task::JoinError>,
+) -> Result<(), RelayError> {
+    match joined {
+        Ok((_, ran)) => ran,
+        Err(e) => {
+            let route = names
+                .get(&e.id())
+                .cloned()
+                .unwrap_or_else(|| "unknown".to_owned());
+            let reason = if e.is_cancelled() {
+                "its task was cancelled".to_owned()
+            } else {
+                let payload = e.into_panic();
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| payload.downcast_ref::<String>().cloned());
+                match message {
+                    Some(m) => format!("it panicked (a bug; please report it): {m}"),
+                    None => "it panicked (a bug; please report it)".to_owned(),
+                }
+            };
+            Err(RelayError::RouteFailed { route, reason })
+        }
     }
 }
 
@@ -255,5 +297,27 @@ async fn run_route(
         } => source::nats::run(gate, server, stream, consumer, forward, stopped).await,
         #[cfg(not(feature = "nats"))]
         SourceSpec::Nats { .. } => Err(not_built("NATS")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A route task that panics is an error naming the route and the panic, never a clean end.
+    #[tokio::test]
+    async fn a_panicked_route_is_an_error_naming_it() {
+        let mut tasks: JoinSet<Result<(), RelayError>> = JoinSet::new();
+        let task = tasks.spawn(async { panic!("the sink exploded") });
+        let names = HashMap::from([(task.id(), "orders".to_owned())]);
+        let joined = tasks.join_next_with_id().await.expect("one task");
+        let err = route_ended(&names, joined).expect_err("a panic is an error");
+        let text = err.to_string();
+        assert!(matches!(err, RelayError::RouteFailed { .. }), "{text}");
+        assert!(text.starts_with("route \"orders\": "), "{text}");
+        assert!(
+            text.contains("panicked") && text.contains("the sink exploded"),
+            "{text}"
+        );
     }
 }
