@@ -806,3 +806,126 @@ async fn nats_to_rabbitmq_publishes_each_key_once_with_the_key_as_message_id() {
     assert_eq!(get(&m.forwarded), 0);
     assert!(get(&m.forward_failures) > 0);
 }
+
+fn nats_url() -> String {
+    std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn amqp_url() -> String {
+    std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+async fn jetstream() -> (async_nats::Client, async_nats::jetstream::Context) {
+    let url = nats_url();
+    let client = async_nats::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {url}: {e}"));
+    let js = async_nats::jetstream::new(client.clone());
+    (client, js)
+}
+
+/// A JetStream stream named `name` over `name.>`.
+async fn nats_stream(js: &async_nats::jetstream::Context, name: &str) {
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.to_owned(),
+        subjects: vec![format!("{name}.>")],
+        max_age: Duration::from_secs(600),
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+}
+
+/// Messages in a RabbitMQ queue (0 when it does not exist).
+async fn queue_len(channel: &lapin::Channel, queue: &str) -> u32 {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|q| q.message_count())
+        .unwrap_or(0)
+}
+
+/// A gate key may be up to 1024 bytes, an AMQP `message_id` at most 255: a 1,000-byte key
+/// reaches the RabbitMQ sink with its SHA-256 as `message_id` and whole in `idempotency-key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_1000_byte_key_reaches_a_rabbitmq_sink_hashed_in_message_id_and_whole_in_a_header() {
+    use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+
+    let (_client, js) = jetstream().await;
+    let conn = amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let queue = unique("relay-long-key");
+    channel
+        .queue_declare(
+            queue.as_str(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let source = unique("relay-long");
+    nats_stream(&js, &source).await;
+    let key = format!("long-{}", "x".repeat(995));
+    assert_eq!(key.len(), 1000);
+    js.publish(
+        format!("{source}.in"),
+        format!(r#"{{"id":"{key}"}}"#).into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let relay = start(
+        RouteConfig {
+            name: Some("long".into()),
+            from: format!("{}/{source}?consumer=relay", nats_url()),
+            to: format!("{}?routing_key={queue}", amqp_url()),
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while queue_len(&channel, &queue).await < 1 {
+        assert!(Instant::now() < deadline, "nothing reached the sink queue");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let metrics = relay.stop().await;
+    let _ = js.delete_stream(&source).await;
+    let got = channel
+        .basic_get(queue.as_str(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the message");
+    let _ = channel
+        .queue_delete(queue.as_str(), QueueDeleteOptions::default())
+        .await;
+    let id = got.delivery.properties.message_id().clone().unwrap();
+    assert!(id.as_str().starts_with("sha256:"), "{}", id.as_str());
+    assert_eq!(id.as_str().len(), 71);
+    let header = got
+        .delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("idempotency-key").cloned());
+    match header {
+        Some(AMQPValue::LongString(s)) => assert_eq!(s.as_bytes(), key.as_bytes()),
+        other => panic!("idempotency-key header: {other:?}"),
+    }
+    let v: serde_json::Value = serde_json::from_slice(&got.delivery.data).unwrap();
+    assert_eq!(v["id"].as_str(), Some(key.as_str()));
+    let m = metrics.route("long").unwrap();
+    assert_eq!(m.forwarded.load(std::sync::atomic::Ordering::Relaxed), 1);
+}

@@ -1,6 +1,8 @@
 //! RabbitMQ sink: publishes on a channel in confirm mode and waits for the broker's ack, with
-//! the gate key as the AMQP `message_id` (what a dedupgate consumer downstream keys on) and
-//! persistent delivery.
+//! the gate key as the AMQP `message_id` (what a dedupgate consumer downstream keys on) and in
+//! the `idempotency-key` header, and persistent delivery. `message_id` is an AMQP shortstr (at
+//! most 255 bytes) while a gate key may be up to 1024: a longer key's `message_id` is
+//! [`message_id`]'s digest of it, and the header keeps it whole.
 
 use async_trait::async_trait;
 use dedupgate_consumers::rabbitmq;
@@ -8,7 +10,25 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 
-use super::{Header, Sink, SinkError};
+use sha2::{Digest, Sha256};
+
+use super::{Header, Sink, SinkError, KEY_HEADER};
+
+/// The longest AMQP shortstr, and so the longest `message_id`.
+const SHORTSTR_BYTES_MAX: usize = 255;
+
+/// The `message_id` of a message with gate key `key`: the key itself when it fits a shortstr,
+/// else `sha256:` and the hex SHA-256 of the key (71 bytes). SHA-256, because distinct keys
+/// must keep distinct ids for a consumer downstream that dedups on `message_id` (a collision
+/// would drop a message as a duplicate), and the consumers crate already fingerprints with it;
+/// the prefix says the id is a digest, and the key is whole in the `idempotency-key` header.
+pub(crate) fn message_id(key: &str) -> String {
+    if key.len() <= SHORTSTR_BYTES_MAX {
+        key.to_owned()
+    } else {
+        format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+    }
+}
 
 pub struct AmqpSink {
     name: String,
@@ -55,6 +75,10 @@ impl Sink for AmqpSink {
             reason,
         };
         let mut table = FieldTable::default();
+        table.insert(
+            ShortString::from(KEY_HEADER),
+            AMQPValue::LongString(LongString::from(key.as_bytes().to_vec())),
+        );
         for (name, value) in headers {
             table.insert(
                 ShortString::from(name.as_str()),
@@ -62,7 +86,7 @@ impl Sink for AmqpSink {
             );
         }
         let properties = BasicProperties::default()
-            .with_message_id(key.into())
+            .with_message_id(message_id(key).into())
             .with_delivery_mode(2)
             .with_headers(table);
         let confirm = self
@@ -91,5 +115,21 @@ impl Sink for AmqpSink {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_ids_fit_a_shortstr_and_stay_distinct() {
+        assert_eq!(message_id("k-1"), "k-1");
+        let at_limit = "a".repeat(SHORTSTR_BYTES_MAX);
+        assert_eq!(message_id(&at_limit), at_limit);
+        let (a, b) = ("a".repeat(1000), format!("{}b", "a".repeat(999)));
+        assert_eq!(message_id(&a).len(), 71);
+        assert!(message_id(&a).starts_with("sha256:"));
+        assert_ne!(message_id(&a), message_id(&b));
     }
 }
