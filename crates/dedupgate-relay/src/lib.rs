@@ -157,6 +157,14 @@ pub async fn run(
             sink,
             dead_letter,
             metrics: metrics.add(&route.name),
+            mode: route.mode,
+            unsettled: source::Unsettled {
+                gate: cg.gate().clone(),
+                namespace: route.namespace.clone(),
+                ttl_ms: route
+                    .ttl
+                    .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            },
         };
         ready.push((route, cg, forward));
     }

@@ -837,6 +837,31 @@ async fn nats_stream(js: &async_nats::jetstream::Context, name: &str) {
     .expect("stream");
 }
 
+/// A free local port for `/metrics`.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls the relay's `/metrics` until `done` holds for the scrape, for up to 30 s.
+async fn wait_for_metrics(port: u16, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = scrape(port).await;
+        if done(&text) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; metrics:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Messages in a RabbitMQ queue (0 when it does not exist).
 async fn queue_len(channel: &lapin::Channel, queue: &str) -> u32 {
     use lapin::options::QueueDeclareOptions;
@@ -853,6 +878,128 @@ async fn queue_len(channel: &lapin::Channel, queue: &str) -> u32 {
         .await
         .map(|q| q.message_count())
         .unwrap_or(0)
+}
+
+/// Idempotent mode marks a key before forwarding. A forward that fails is dead-lettered; when
+/// that dead letter fails too (here: its RabbitMQ queue does not exist yet, so the mandatory
+/// publish comes back unroutable), the redelivery finds the key marked, and must send the dead
+/// letter again rather than ack it as a duplicate. For both sources that settle per delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idempotent_reject_whose_dead_letter_failed_once_is_dead_lettered_on_redelivery_not_acked()
+{
+    use lapin::options::{
+        BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::FieldTable;
+    use lapin::BasicProperties;
+
+    let (_client, js) = jetstream().await;
+    let conn = amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    for source_kind in ["nats", "amqp"] {
+        let dlq = unique("relay-dlq");
+        let from = if source_kind == "nats" {
+            let source = unique("relay-idem");
+            nats_stream(&js, &source).await;
+            js.publish(format!("{source}.in"), r#"{"id":"idem-1"}"#.into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            format!("{}/{source}?consumer=relay", nats_url())
+        } else {
+            let queue = unique("relay-idem");
+            channel
+                .queue_declare(
+                    queue.as_str(),
+                    QueueDeclareOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+            channel
+                .basic_publish(
+                    "",
+                    queue.as_str(),
+                    BasicPublishOptions::default(),
+                    br#"{"id":"idem-1"}"#,
+                    BasicProperties::default(),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            format!("{}?queue={queue}", amqp_url())
+        };
+        let port = free_port();
+        let relay = start(
+            RouteConfig {
+                name: Some("idem".into()),
+                from,
+                to: "file:/dev/full".into(),
+                key: Some("{id}".into()),
+                mode: Some("idempotent".into()),
+                dead_letter: Some(format!("{}?routing_key={dlq}", amqp_url())),
+                ..Default::default()
+            },
+            Some(format!("127.0.0.1:{port}")),
+        );
+        // The forward failed, then its dead letter: the delivery is put back.
+        wait_for_metrics(port, "a failed dead letter", |t| {
+            counter(t, "forward_failures", "idem") == 1 && counter(t, "retries", "idem") >= 1
+        })
+        .await;
+        channel
+            .queue_declare(
+                dlq.as_str(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while queue_len(&channel, &dlq).await < 1 {
+            assert!(
+                Instant::now() < deadline,
+                "{source_kind}: the dead letter never came; metrics:\n{}",
+                scrape(port).await
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let metrics = relay.stop().await;
+        let dead = channel
+            .basic_get(dlq.as_str(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .expect("a dead letter");
+        let _ = channel
+            .queue_delete(dlq.as_str(), QueueDeleteOptions::default())
+            .await;
+        let reason = dead
+            .delivery
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(dedupgate_relay::REASON_HEADER).cloned())
+            .and_then(|v| match v {
+                lapin::types::AMQPValue::LongString(s) => {
+                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                }
+                _ => None,
+            })
+            .unwrap_or_default();
+        assert!(reason.contains("No space left"), "{source_kind}: {reason}");
+        let m = metrics.route("idem").unwrap();
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(get(&m.forwarded), 0, "{source_kind}");
+        assert_eq!(get(&m.dead_lettered), 1, "{source_kind}");
+        assert_eq!(get(&m.duplicates), 0, "{source_kind}: acked as a duplicate");
+        assert_eq!(
+            get(&m.forward_failures),
+            1,
+            "{source_kind}: marked, never forwarded again"
+        );
+    }
 }
 
 /// A gate key may be up to 1024 bytes, an AMQP `message_id` at most 255: a 1,000-byte key
@@ -928,4 +1075,100 @@ async fn a_1000_byte_key_reaches_a_rabbitmq_sink_hashed_in_message_id_and_whole_
     assert_eq!(v["id"].as_str(), Some(key.as_str()));
     let m = metrics.route("long").unwrap();
     assert_eq!(m.forwarded.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+/// A key with CR/LF cannot be a NATS header (`Nats-Msg-Id`): written as it is, it would end
+/// the header and inject another. The record is dead-lettered at once with the reason, and the
+/// dead letter (to NATS too) carries the key and reason escaped, on one header line each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_with_a_line_break_is_dead_lettered_not_injected_into_nats_headers() {
+    use async_nats::jetstream;
+    use futures::StreamExt;
+
+    let (_client, js) = jetstream().await;
+    let (source, sink, dlq) = (
+        unique("relay-crlf-src"),
+        unique("relay-crlf-dst"),
+        unique("relay-crlf-dlq"),
+    );
+    for name in [&source, &sink, &dlq] {
+        nats_stream(&js, name).await;
+    }
+    for id in ["fine-1", "bad\r\nInjected: yes"] {
+        let payload = serde_json::json!({ "id": id }).to_string();
+        js.publish(format!("{source}.in"), payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let port = free_port();
+    let relay = start(
+        RouteConfig {
+            name: Some("crlf".into()),
+            from: format!("{}/{source}?consumer=relay", nats_url()),
+            to: format!("{}/{sink}.out", nats_url()),
+            key: Some("{id}".into()),
+            dead_letter: Some(format!("{}/{dlq}.dead", nats_url())),
+            ..Default::default()
+        },
+        Some(format!("127.0.0.1:{port}")),
+    );
+    wait_for_metrics(port, "one forwarded, one dead-lettered", |t| {
+        counter(t, "forwarded", "crlf") == 1 && counter(t, "dead_lettered", "crlf") == 1
+    })
+    .await;
+    let metrics = relay.stop().await;
+    let read = |stream: String| {
+        let js = js.clone();
+        async move {
+            let consumer = js
+                .get_stream(&stream)
+                .await
+                .unwrap()
+                .create_consumer(jetstream::consumer::pull::Config::default())
+                .await
+                .unwrap();
+            let mut messages = consumer
+                .fetch()
+                .max_messages(10)
+                .expires(Duration::from_secs(1))
+                .messages()
+                .await
+                .unwrap();
+            let mut out = Vec::new();
+            while let Some(Ok(m)) = messages.next().await {
+                out.push(m);
+            }
+            out
+        }
+    };
+    let forwarded = read(sink.clone()).await;
+    let dead = read(dlq.clone()).await;
+    for name in [&source, &sink, &dlq] {
+        let _ = js.delete_stream(name).await;
+    }
+    assert_eq!(forwarded.len(), 1, "only the fine message reaches the sink");
+    assert_eq!(dead.len(), 1, "the bad one is dead-lettered");
+    let headers = dead[0].headers.clone().expect("dead-letter headers");
+    assert!(
+        headers.get("Injected").is_none(),
+        "an injected header: {headers:?}"
+    );
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        header(dedupgate_relay::KEY_HEADER),
+        "bad\\r\\nInjected: yes"
+    );
+    let reason = header(dedupgate_relay::REASON_HEADER);
+    assert!(reason.contains("line break"), "{reason}");
+    assert!(!reason.contains(['\r', '\n']), "{reason:?}");
+    let m = metrics.route("crlf").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(get(&m.forward_failures), 1, "refused once, not retried");
 }

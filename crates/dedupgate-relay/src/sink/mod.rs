@@ -45,6 +45,15 @@ pub enum SinkError {
         /// Why.
         reason: String,
     },
+    /// The sink cannot carry this message as it is (a NATS header value with a line break):
+    /// sending it again would fail alike, so the relay dead-letters it at once.
+    #[error("sink {sink}: cannot carry this message: {reason}")]
+    Refused {
+        /// The sink.
+        sink: String,
+        /// Why.
+        reason: String,
+    },
     /// The sink's kind is not in this build (its cargo feature is off).
     #[error("sink {0}: this build has no support for it (cargo feature off)")]
     NotBuilt(String),

@@ -15,13 +15,16 @@ mod kafka_lag;
 pub(crate) mod nats;
 #[cfg(feature = "rabbitmq")]
 pub(crate) mod rabbitmq;
+mod unsettled;
 
 use std::sync::Arc;
 
 use dedupgate_consumers::{Action, Handled, Message};
+use dedupgate_core::Mode;
 
 use crate::metrics::RouteMetrics;
 use crate::sink::{Header, Sink, SinkError};
+pub(crate) use unsettled::Unsettled;
 
 /// Dead letters carry why in this header (as the Kafka consumer's do).
 pub const REASON_HEADER: &str = "dedupgate-reason";
@@ -41,6 +44,9 @@ pub(crate) struct Forward {
     pub(crate) sink: Arc<dyn Sink>,
     pub(crate) dead_letter: Option<Arc<dyn Sink>>,
     pub(crate) metrics: Arc<RouteMetrics>,
+    /// The route's mode: idempotent mode keeps [`Unsettled`] records.
+    pub(crate) mode: Mode,
+    pub(crate) unsettled: Unsettled,
 }
 
 impl Forward {
@@ -73,58 +79,153 @@ impl Forward {
     }
 
     /// Counts a delivery's outcome and says what to do with it: the outcome's own action,
-    /// except that a reject that reached the dead-letter sink becomes an ack, and one that did
-    /// not becomes a retry (nothing is dropped while a dead-letter sink is configured).
-    pub(crate) async fn settle_action<E: std::fmt::Display>(
+    /// except that
+    /// - a reject that reached the dead-letter sink becomes an ack, and one that did not becomes
+    ///   a retry (nothing is dropped while a dead-letter sink is configured);
+    /// - a forward the sink refused ([`SinkError::Refused`]: it would fail alike every time) is
+    ///   rejected at once instead of retried;
+    /// - idempotent mode: a duplicate whose earlier delivery's dead letter was never confirmed
+    ///   ([`Unsettled`]) is dead-lettered, not acked; and the same when the store cannot say,
+    ///   which is retried.
+    pub(crate) async fn settle_action(
         &self,
-        handled: &Handled<(), E>,
+        handled: &Handled<(), SinkError>,
         payload: &[u8],
     ) -> Action {
         RouteMetrics::bump(&self.metrics.records_in);
         let action = handled.action();
-        match action {
-            Action::Ack => {
-                if matches!(handled, Handled::Duplicate { .. }) {
-                    RouteMetrics::bump(&self.metrics.duplicates);
-                }
-                action
-            }
-            Action::Retry { .. } => {
+        match (action, handled) {
+            (Action::Ack, Handled::Duplicate { key, .. }) => self.duplicate(key, payload).await,
+            (Action::Ack, _) => action,
+            (
+                Action::Retry { .. },
+                Handled::Failed {
+                    error: SinkError::Refused { .. },
+                    ..
+                },
+            ) => self.reject(handled, payload).await,
+            (Action::Retry { .. }, _) => {
                 RouteMetrics::bump(&self.metrics.retries);
                 action
             }
-            Action::Reject => match &self.dead_letter {
-                None => {
-                    RouteMetrics::bump(&self.metrics.rejected);
-                    tracing::error!(route = %self.route, "relay: rejected, no dead-letter destination: {handled}");
-                    action
+            (Action::Reject, _) => self.reject(handled, payload).await,
+        }
+    }
+
+    /// A duplicate: acked, unless (idempotent mode) its key's dead letter is unsettled.
+    async fn duplicate(&self, key: &str, payload: &[u8]) -> Action {
+        if self.mode != Mode::Idempotent {
+            RouteMetrics::bump(&self.metrics.duplicates);
+            return Action::Ack;
+        }
+        match self.unsettled.recorded(key).await {
+            Ok(None) => {
+                RouteMetrics::bump(&self.metrics.duplicates);
+                Action::Ack
+            }
+            Ok(Some(reason)) => match self.send_dead_letter(key, &reason, payload).await {
+                Ok(()) => {
+                    self.unsettled.clear(key).await;
+                    Action::Ack
                 }
-                Some(dead) => {
-                    let key = handled.key().unwrap_or_default();
-                    let mut headers: Vec<Header> = vec![
-                        (REASON_HEADER.into(), handled.to_string().into_bytes()),
-                        (ROUTE_HEADER.into(), self.route.clone().into_bytes()),
-                    ];
-                    if !key.is_empty() {
-                        headers.push((KEY_HEADER.into(), key.as_bytes().to_vec()));
-                    }
-                    match dead.send(key, payload, &headers).await {
-                        Ok(()) => {
-                            RouteMetrics::bump(&self.metrics.dead_lettered);
-                            tracing::warn!(route = %self.route, "relay: dead-lettered: {handled}");
-                            Action::Ack
-                        }
-                        Err(e) => {
-                            RouteMetrics::bump(&self.metrics.retries);
-                            tracing::error!(route = %self.route, error = %e, "relay: dead-letter send failed; the delivery is retried");
-                            Action::Retry {
-                                after: DEAD_LETTER_RETRY,
-                                failure: false,
-                            }
-                        }
-                    }
-                }
+                Err(action) => action,
             },
+            Err(e) => {
+                RouteMetrics::bump(&self.metrics.retries);
+                tracing::warn!(route = %self.route, error = %e, "relay: cannot tell whether a marked key's dead letter is settled; the delivery is retried");
+                Action::Retry {
+                    after: DEAD_LETTER_RETRY,
+                    failure: false,
+                }
+            }
+        }
+    }
+
+    /// A rejected delivery: to the dead-letter sink (then acked), or, with none, logged and
+    /// rejected to the broker.
+    async fn reject(&self, handled: &Handled<(), SinkError>, payload: &[u8]) -> Action {
+        if self.dead_letter.is_none() {
+            RouteMetrics::bump(&self.metrics.rejected);
+            tracing::error!(route = %self.route, "relay: rejected, no dead-letter destination: {handled}");
+            return Action::Reject;
+        }
+        let key = handled.key().unwrap_or_default();
+        let reason = match handled {
+            Handled::Failed {
+                key,
+                error: error @ SinkError::Refused { .. },
+                ..
+            } => format!("{key}: forward refused, not retried: {error}"),
+            _ => handled.to_string(),
+        };
+        // Idempotent mode: the key is marked, so a redelivery would be acked as a duplicate
+        // unless the unsettled record says otherwise. It is written first, so a crash before
+        // the dead letter is confirmed leaves it too.
+        let marked = self.mode == Mode::Idempotent && matches!(handled, Handled::Failed { .. });
+        let mut recorded = !marked;
+        loop {
+            if !recorded {
+                match self.unsettled.record(key, &reason).await {
+                    Ok(()) => recorded = true,
+                    Err(e) => {
+                        tracing::error!(route = %self.route, error = %e, "relay: a marked key's pending dead letter cannot be recorded")
+                    }
+                }
+            }
+            match self.send_dead_letter(key, &reason, payload).await {
+                Ok(()) => {
+                    if marked && recorded {
+                        self.unsettled.clear(key).await;
+                    }
+                    return Action::Ack;
+                }
+                Err(action) if recorded => return action,
+                // Neither the dead letter nor the record that makes a redelivery send it again:
+                // a redelivery would be acked as a duplicate, so the delivery stays in hand.
+                Err(_) => tokio::time::sleep(DEAD_LETTER_RETRY).await,
+            }
+        }
+    }
+
+    /// Sends a dead letter with its headers; Ok once the dead-letter sink confirmed it, else the
+    /// retry to carry out. A key the dead-letter sink refuses (a line break at a NATS sink) is
+    /// left out of its message id; the key header still carries it.
+    async fn send_dead_letter(
+        &self,
+        key: &str,
+        reason: &str,
+        payload: &[u8],
+    ) -> Result<(), Action> {
+        let Some(dead) = &self.dead_letter else {
+            return Err(Action::Reject);
+        };
+        let mut headers: Vec<Header> = vec![
+            (REASON_HEADER.into(), reason.as_bytes().to_vec()),
+            (ROUTE_HEADER.into(), self.route.clone().into_bytes()),
+        ];
+        if !key.is_empty() {
+            headers.push((KEY_HEADER.into(), key.as_bytes().to_vec()));
+        }
+        let sent = match dead.send(key, payload, &headers).await {
+            Err(SinkError::Refused { .. }) if !key.is_empty() => {
+                dead.send("", payload, &headers).await
+            }
+            sent => sent,
+        };
+        match sent {
+            Ok(()) => {
+                RouteMetrics::bump(&self.metrics.dead_lettered);
+                tracing::warn!(route = %self.route, "relay: dead-lettered: {reason}");
+                Ok(())
+            }
+            Err(e) => {
+                RouteMetrics::bump(&self.metrics.retries);
+                tracing::error!(route = %self.route, error = %e, "relay: dead-letter send failed; the delivery is retried");
+                Err(Action::Retry {
+                    after: DEAD_LETTER_RETRY,
+                    failure: false,
+                })
+            }
         }
     }
 }
