@@ -94,7 +94,21 @@ where
     T: Serialize,
     E: fmt::Display,
 {
-    let message_id = message
+    let processing = gate.process(
+        message_id(message),
+        MESSAGE_ID_HEADER,
+        &message.payload,
+        attempt(message),
+        handler,
+    );
+    let handled = with_progress(message, every, processing).await;
+    settle(message, handled.action()).await?;
+    Ok(handled)
+}
+
+/// The message's `Nats-Msg-Id`, when it has one.
+pub fn message_id(message: &JsMessage) -> Option<&str> {
+    message
         .headers
         .as_ref()
         // A received header is parsed into the standard name, which a `&str` lookup (a custom
@@ -104,25 +118,25 @@ where
                 .get(async_nats::header::NATS_MESSAGE_ID)
                 .or_else(|| headers.get(MESSAGE_ID_HEADER))
         })
-        .map(|value| value.as_str());
-    let processing = gate.process(
-        message_id,
-        MESSAGE_ID_HEADER,
-        &message.payload,
-        attempt(message),
-        handler,
-    );
-    tokio::pin!(processing);
+        .map(|value| value.as_str())
+}
+
+/// Drives `work` (a message's processing, and whatever must follow it before the message is
+/// settled) while telling the server every `every` that `message` is in progress, which
+/// restarts the consumer's ack wait; returns `work`'s output. For an adapter that settles the
+/// message itself (the relay, which dead-letters before it acks).
+pub async fn with_progress<F: Future>(message: &JsMessage, every: Duration, work: F) -> F::Output {
+    tokio::pin!(work);
     // A day at most: longer is no progress ack at all, and `now + every` must not overflow.
     let every = every.clamp(Duration::from_millis(1), Duration::from_secs(86_400));
     let mut progress = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let handled = loop {
+    loop {
         tokio::select! {
-            handled = &mut processing => break handled,
+            output = &mut work => return output,
             _ = progress.tick() => {
                 // Sent from a task of its own: a publish that waits (the client reconnecting)
-                // must not stop the processing, whose lease renewal runs in this future. Best
+                // must not stop the work, whose lease renewal runs in this future. Best
                 // effort: a lost one only lets the ack wait run out as it would have.
                 let message = message.clone();
                 tokio::spawn(async move {
@@ -132,9 +146,7 @@ where
                 });
             }
         }
-    };
-    settle(message, handled.action()).await?;
-    Ok(handled)
+    }
 }
 
 /// Which delivery `message` is: JetStream counts every delivery in the message's info

@@ -1172,3 +1172,84 @@ async fn a_key_with_a_line_break_is_dead_lettered_not_injected_into_nats_headers
     let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(get(&m.forward_failures), 1, "refused once, not retried");
 }
+
+/// A sink slower than the JetStream consumer's ack wait: the relay tells the server the
+/// message is in progress (every third of the ack wait), so it is not delivered again while
+/// the first copy is being forwarded. The sink here is a JetStream publish that the test itself
+/// answers, 3 s late, with a PubAck (ack wait: 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_sink_does_not_let_jetstream_redeliver_the_message_in_flight() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    use futures::StreamExt;
+
+    let (client, js) = jetstream().await;
+    let source = unique("relay-slow");
+    nats_stream(&js, &source).await;
+    js.get_stream(&source)
+        .await
+        .unwrap()
+        .create_consumer(pull::Config {
+            durable_name: Some("relay".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    js.publish(format!("{source}.in"), r#"{"id":"slow-1"}"#.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The "stream" of the sink subject: answers each publish with a PubAck after 3 s.
+    let subject = unique("relay-slow-sink");
+    let mut sink = client.subscribe(subject.clone()).await.unwrap();
+    client.flush().await.unwrap();
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let responder = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            while let Some(m) = sink.next().await {
+                let _ = seen_tx.send(());
+                let client = client.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    if let Some(reply) = m.reply {
+                        let ack = r#"{"stream":"slow-sink","seq":1}"#;
+                        client.publish(reply, ack.into()).await.unwrap();
+                    }
+                });
+            }
+        })
+    };
+    let port = free_port();
+    let relay = start(
+        RouteConfig {
+            name: Some("slow".into()),
+            from: format!("{}/{source}?consumer=relay", nats_url()),
+            to: format!("{}/{subject}", nats_url()),
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        Some(format!("127.0.0.1:{port}")),
+    );
+    wait_for_metrics(port, "the slow forward confirmed", |t| {
+        counter(t, "forwarded", "slow") == 1
+    })
+    .await;
+    let metrics = relay.stop().await;
+    responder.abort();
+    let _ = js.delete_stream(&source).await;
+    let mut publishes = 0;
+    while seen.try_recv().is_ok() {
+        publishes += 1;
+    }
+    let m = metrics.route("slow").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        get(&m.records_in),
+        1,
+        "deliveries of the message (a redelivery while in flight counts again)"
+    );
+    assert_eq!(publishes, 1, "publishes to the sink");
+}

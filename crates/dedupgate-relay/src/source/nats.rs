@@ -1,8 +1,13 @@
 //! NATS JetStream source: a durable pull consumer of one stream (created with explicit acks
-//! when missing), up to [`IN_FLIGHT`] messages in hand; each is processed through
-//! [`ConsumerGate::process`] (keyed by `Nats-Msg-Id` unless a template is set) and settled with
-//! [`nats::settle`]: ack, nak with a delay, or term. No in-progress acks are sent, so the
-//! consumer's ack wait (30 s when the relay creates it) must exceed a forward's time.
+//! and a 30 s ack wait when missing), up to [`IN_FLIGHT`] messages in hand; each is processed
+//! through [`ConsumerGate::process`] (keyed by [`nats::message_id`] unless a template is set)
+//! and settled with [`nats::settle`]: ack, nak with a delay, or term. While a message is in
+//! hand (forward, dead letter) [`nats::with_progress`] tells the server so every third of the
+//! consumer's ack wait, so a slow sink does not have JetStream deliver a second copy meanwhile.
+//!
+//! The consumers crate's [`nats::handle`] is not used whole: it settles as soon as the gate
+//! answers, and the relay must first send a reject to the dead-letter sink (and ack only once
+//! that is confirmed). Its parts are: the message id, the delivery count, progress and settle.
 
 use std::time::Duration;
 
@@ -46,6 +51,8 @@ pub(crate) async fn run(
         )
         .await
         .map_err(|e| failed(e.to_string()))?;
+    // A third of the ack wait: two progress acks may be lost before the server redelivers.
+    let progress_every = pull_consumer.cached_info().config.ack_wait / 3;
     let mut messages = pull_consumer
         .stream()
         .max_messages_per_batch(usize::from(IN_FLIGHT))
@@ -69,21 +76,19 @@ pub(crate) async fn run(
                     let forward = forward.clone();
                     let handler = handler.clone();
                     tasks.spawn(async move {
-                        let message_id = message
-                            .headers
-                            .as_ref()
-                            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-                            .map(|v| v.as_str().to_owned());
-                        let handled = gate
-                            .process(
-                                message_id.as_deref(),
-                                nats::MESSAGE_ID_HEADER,
-                                &message.payload,
-                                nats::attempt(&message),
-                                handler,
-                            )
-                            .await;
-                        let action = forward.settle_action(&handled, &message.payload).await;
+                        let work = async {
+                            let handled = gate
+                                .process(
+                                    nats::message_id(&message),
+                                    nats::MESSAGE_ID_HEADER,
+                                    &message.payload,
+                                    nats::attempt(&message),
+                                    handler,
+                                )
+                                .await;
+                            forward.settle_action(&handled, &message.payload).await
+                        };
+                        let action = nats::with_progress(&message, progress_every, work).await;
                         if let Err(e) = nats::settle(&message, action).await {
                             // JetStream redelivers it after the ack wait.
                             tracing::warn!(error = %e, "relay: nats settle failed");
