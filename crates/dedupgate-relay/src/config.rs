@@ -56,6 +56,18 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
+    /// The file is not TOML of the relay's form; `line` and `column` (from 1) say where.
+    #[error("{path}:{line}:{column}: {message}")]
+    Toml {
+        /// The file.
+        path: String,
+        /// The line of the error.
+        line: usize,
+        /// The column (in characters) of the error.
+        column: usize,
+        /// What is wrong there.
+        message: String,
+    },
     /// No route at all, or two with one name.
     #[error("{0}")]
     Routes(String),
@@ -172,7 +184,42 @@ impl RelayConfig {
             reason,
         };
         let text = std::fs::read_to_string(path).map_err(|e| file(e.to_string()))?;
-        toml::from_str(&text).map_err(|e| file(e.message().to_owned()))
+        Self::parse(&text).map_err(|e| match e {
+            ConfigError::Toml {
+                line,
+                column,
+                message,
+                ..
+            } => ConfigError::Toml {
+                path: path.display().to_string(),
+                line,
+                column,
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses the file's text; an error says where (its path left empty for
+    /// [`RelayConfig::load`] to fill in).
+    fn parse(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e: toml::de::Error| {
+            let at = e.span().map_or(0, |span| span.start).min(text.len());
+            let before = text.get(..at).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before
+                .rsplit_once('\n')
+                .map_or(before, |(_, tail)| tail)
+                .chars()
+                .count()
+                + 1;
+            ConfigError::Toml {
+                path: String::new(),
+                line,
+                column,
+                message: e.message().to_owned(),
+            }
+        })
     }
 
     /// Checks every route: at least one, names unique.
@@ -267,5 +314,19 @@ max_attempts = 3
             .to_string()
             .contains("two routes"));
         assert!(toml::from_str::<RelayConfig>("[[route]]\nfrom='a'\nto='b'\nbogus=1").is_err());
+    }
+
+    /// A TOML error names the file, the line and the column, as an editor jumps to them.
+    #[test]
+    fn a_toml_error_says_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(&path, "[[route]]\nfrom = 'a'\nto = 'b'\n  bogus = 1\n").unwrap();
+        let err = RelayConfig::load(&path).unwrap_err().to_string();
+        let expected = format!("{}:4:3: unknown field `bogus`", path.display());
+        assert!(err.starts_with(&expected), "{err}");
+        std::fs::write(&path, "metrics_listen = \"a\"\nmetrics_listen = 1\n").unwrap();
+        let err = RelayConfig::load(&path).unwrap_err().to_string();
+        assert!(err.contains("relay.toml:2:1: "), "{err}");
     }
 }

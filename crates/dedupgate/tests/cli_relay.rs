@@ -89,7 +89,8 @@ fn a_config_file_with_a_bad_route_or_field_exits_1_naming_it() {
         ),
         (
             "[[route]]\nfrom = \"kafka://h:1/t?group=g\"\nto = \"stdout:\"\nsink = \"x\"\n",
-            "unknown field `sink`",
+            // The file, line and column of the TOML error, then its message.
+            "relay-1.toml:4:1: unknown field `sink`",
         ),
         ("metrics_listen = \"127.0.0.1:0\"\n", "no route"),
     ];
