@@ -32,6 +32,8 @@
 )]
 
 mod config;
+#[cfg(feature = "kafka")]
+mod kafka_error;
 pub mod metrics;
 pub mod route;
 pub mod sink;

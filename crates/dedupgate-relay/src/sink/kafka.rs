@@ -34,7 +34,10 @@ impl KafkaSink {
             .create()
             .map_err(|e| SinkError::Open {
                 sink: name.clone(),
-                reason: e.to_string(),
+                reason: format!(
+                    "librdkafka refused to create the producer: {}",
+                    crate::kafka_error::cause(&e)
+                ),
             })?;
         Ok(Self {
             name,
@@ -68,7 +71,7 @@ impl Sink for KafkaSink {
             .map(|_| ())
             .map_err(|(e, _)| SinkError::Send {
                 sink: self.name.clone(),
-                reason: e.to_string(),
+                reason: crate::kafka_error::cause(&e),
             })
     }
 }

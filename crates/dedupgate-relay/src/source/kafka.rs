@@ -14,6 +14,7 @@ use tokio::sync::watch;
 
 use super::kafka_lag::{LagReader, LAG_EVERY};
 use super::Forward;
+use crate::kafka_error;
 use crate::metrics::RouteMetrics;
 use crate::route::SinkSpec;
 use crate::RelayError;
@@ -47,7 +48,12 @@ pub(crate) async fn run(
             .dead_letter_topic(dlq)
             .map_err(|e| failed(e.to_string()))?;
     }
-    let consumer = Arc::new(KafkaConsumer::new(gate, config).map_err(|e| failed(e.to_string()))?);
+    let consumer = Arc::new(KafkaConsumer::new(gate, config).map_err(|e| {
+        failed(format!(
+            "cannot create the Kafka consumer: {}",
+            kafka_error::consumer_cause(&e)
+        ))
+    })?);
     let metrics = forward.metrics.clone();
     let copier = {
         let consumer = consumer.clone();
@@ -63,7 +69,7 @@ pub(crate) async fn run(
     let lag = match LagReader::new(bootstrap, group, topic) {
         Ok(reader) => Some(Arc::new(reader)),
         Err(e) => {
-            tracing::warn!(error = %e, "relay: kafka lag is not measured");
+            tracing::warn!(error = %kafka_error::cause(&e), "relay: kafka lag is not measured: its client cannot be created");
             None
         }
     };
@@ -92,14 +98,19 @@ pub(crate) async fn run(
     if let Some(reader) = lag {
         read_lag(&reader, &metrics).await;
     }
-    ran.map(|_| ()).map_err(|e| failed(e.to_string()))
+    ran.map(|_| ()).map_err(|e| {
+        failed(format!(
+            "the consumer stopped: {}",
+            kafka_error::consumer_cause(&e)
+        ))
+    })
 }
 
 async fn read_lag(reader: &Arc<LagReader>, metrics: &RouteMetrics) {
     let reader = reader.clone();
     match tokio::task::spawn_blocking(move || reader.read()).await {
         Ok(Ok(lag)) => metrics.set_kafka_lag(lag),
-        Ok(Err(e)) => tracing::debug!(error = %e, "relay: kafka lag not read"),
+        Ok(Err(e)) => tracing::debug!(error = %kafka_error::cause(&e), "relay: kafka lag not read"),
         Err(e) => tracing::debug!(error = %e, "relay: kafka lag task failed"),
     }
 }
