@@ -27,6 +27,10 @@ pub struct RouteMetrics {
     pub forward_failures: AtomicU64,
     /// Deliveries put back for later (a failure, a key held elsewhere, the gate unavailable).
     pub retries: AtomicU64,
+    /// Errors reading the source that its client recovers from by itself (JetStream: a failed
+    /// pull or a missed heartbeat, as while the server is away; Kafka: a lag read the brokers
+    /// did not answer). A count that keeps rising says the source is not being read.
+    pub source_errors: AtomicU64,
     /// Kafka sources: records past the group's committed offsets at the last read; `u64::MAX`
     /// until read (and for other sources), when it is not exported.
     pub kafka_lag: AtomicU64,
@@ -42,6 +46,7 @@ impl Default for RouteMetrics {
             rejected: AtomicU64::new(0),
             forward_failures: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            source_errors: AtomicU64::new(0),
             kafka_lag: AtomicU64::new(LAG_UNKNOWN),
         }
     }
@@ -98,7 +103,7 @@ impl Metrics {
 
     /// The Prometheus text exposition of every counter.
     pub fn render(&self) -> String {
-        let families: [Family; 7] = [
+        let families: [Family; 8] = [
             ("records_in", "Deliveries taken from the source.", |m| {
                 &m.records_in
             }),
@@ -128,6 +133,11 @@ impl Metrics {
             ("retries", "Deliveries put back for a later attempt.", |m| {
                 &m.retries
             }),
+            (
+                "source_errors",
+                "Errors reading the source (the client reconnects by itself).",
+                |m| &m.source_errors,
+            ),
         ];
         let mut out = String::new();
         for (noun, help, get) in families {
@@ -223,6 +233,10 @@ mod tests {
         );
         assert!(text.contains("dedupgate_relay_forwarded_total{route=\"b\\\"\"} 0\n"));
         assert!(text.contains("# TYPE dedupgate_relay_dead_lettered_total counter"));
+        RouteMetrics::bump(&a.source_errors);
+        assert!(metrics
+            .render()
+            .contains("dedupgate_relay_source_errors_total{route=\"a\"} 1\n"));
         assert!(
             !text.contains("dedupgate_relay_kafka_lag_records{"),
             "{text}"

@@ -110,7 +110,12 @@ async fn read_lag(reader: &Arc<LagReader>, metrics: &RouteMetrics) {
     let reader = reader.clone();
     match tokio::task::spawn_blocking(move || reader.read()).await {
         Ok(Ok(lag)) => metrics.set_kafka_lag(lag),
-        Ok(Err(e)) => tracing::debug!(error = %kafka_error::cause(&e), "relay: kafka lag not read"),
+        // The brokers did not answer (librdkafka reconnects by itself): the gauge keeps its
+        // last value, and the count says it is stale.
+        Ok(Err(e)) => {
+            RouteMetrics::bump(&metrics.source_errors);
+            tracing::warn!(error = %kafka_error::cause(&e), "relay: kafka lag not read");
+        }
         Err(e) => tracing::debug!(error = %e, "relay: kafka lag task failed"),
     }
 }

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::{Forward, IN_FLIGHT};
+use crate::metrics::RouteMetrics;
 use crate::RelayError;
 
 pub(crate) async fn run(
@@ -95,8 +96,12 @@ pub(crate) async fn run(
                         }
                     });
                 }
-                // A missed heartbeat or a pull that failed: the stream goes on by itself.
-                Some(Err(e)) => tracing::warn!(error = %e, "relay: nats receive failed"),
+                // A missed heartbeat or a pull that failed (the server away: the client
+                // reconnects by itself): the stream goes on, and /metrics counts it.
+                Some(Err(e)) => {
+                    RouteMetrics::bump(&forward.metrics.source_errors);
+                    tracing::warn!(error = %e, "relay: nats receive failed");
+                }
                 None => {
                     outcome = Err(failed("the message stream ended".into()));
                     break;
