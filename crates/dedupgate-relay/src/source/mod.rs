@@ -1,8 +1,11 @@
 //! Sources: each reads its broker and runs every delivery through the consumers crate
 //! ([`ConsumerGate::process`](dedupgate_consumers::ConsumerGate::process) or the Kafka
 //! consumer), with one handler for all: forward to the sink and wait for its confirmation. The
-//! outcome's [`Action`] (decided there, never here) is then carried out, with one addition: a
-//! reject goes to the route's dead-letter sink, with the reason, before the delivery is acked.
+//! outcome's [`Action`] (decided there, never here) is then carried out, with additions that
+//! concern the sink, which the gate cannot know (`Forward::settle_action`): a reject goes to
+//! the route's dead-letter sink, with the reason, before the delivery is acked; a forward the
+//! sink refuses outright is rejected at once; and in idempotent mode a marked key whose dead
+//! letter is not confirmed is not acked as a duplicate (`unsettled`).
 //!
 //! One file per broker: `kafka` (a [`KafkaConsumer`](dedupgate_consumers::kafka::KafkaConsumer)
 //! group member), `rabbitmq` (a queue consumer) and `nats` (a JetStream durable pull consumer).
