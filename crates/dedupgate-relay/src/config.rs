@@ -150,6 +150,8 @@ impl RouteConfig {
                 ));
             }
         }
+        check_transactional(&source, &sink, mode, dead_letter.as_ref())
+            .map_err(|(name, reason)| field(name, reason))?;
         Ok(Route {
             name,
             source,
@@ -163,6 +165,71 @@ impl RouteConfig {
             max_attempts: self.max_attempts,
         })
     }
+}
+
+/// A `transactional=` sink makes the route one Kafka transaction per batch (consume, gate,
+/// produce, commit the consumed offsets): so the source must be a Kafka topic of the same
+/// cluster, and the mode retriable (an aborted transaction releases its claims; a mark cannot
+/// be released). Dead letters then go into the transaction, so the dead-letter URL takes none.
+fn check_transactional(
+    source: &SourceSpec,
+    sink: &SinkSpec,
+    mode: Mode,
+    dead_letter: Option<&SinkSpec>,
+) -> Result<(), (&'static str, String)> {
+    if dead_letter.and_then(SinkSpec::transactional_id).is_some() {
+        return Err((
+            "dead_letter",
+            "transactional= goes on the sink (--to): a transactional route's dead letters are produced in its transaction".into(),
+        ));
+    }
+    let SinkSpec::Kafka {
+        bootstrap: sink_cluster,
+        transactional_id: Some(_),
+        ..
+    } = sink
+    else {
+        return Ok(());
+    };
+    let source_cluster = match source {
+        SourceSpec::Kafka { bootstrap, .. } => bootstrap,
+        SourceSpec::Amqp { .. } | SourceSpec::Nats { .. } => {
+            let broker = if matches!(source, SourceSpec::Amqp { .. }) {
+                "a RabbitMQ ack"
+            } else {
+                "a JetStream ack"
+            };
+            return Err((
+                "to",
+                format!("transactional= needs a Kafka source: no Kafka transaction can cover {broker} (drop transactional= for the idempotent producer)"),
+            ));
+        }
+    };
+    if !same_cluster(source_cluster, sink_cluster) {
+        return Err((
+            "to",
+            format!("transactional= needs the sink on the source's cluster (kafka://{source_cluster}/TOPIC): one transaction commits the records and the consumed offsets, and a transaction stays within one cluster"),
+        ));
+    }
+    if mode == Mode::Idempotent {
+        return Err((
+            "mode",
+            "idempotent cannot run with a transactional= sink: a transaction that aborts must release its claims, and a mark cannot be released (use retriable)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Two bootstrap lists name the same brokers, in any order. (A cluster reached through two
+/// different lists is refused too: the relay cannot tell it is one before connecting.)
+fn same_cluster(a: &str, b: &str) -> bool {
+    let brokers = |list: &str| {
+        let mut v: Vec<String> = list.split(',').map(|h| h.trim().to_owned()).collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    brokers(a) == brokers(b)
 }
 
 /// The relay's file: `metrics_listen` and one `[[route]]` table per route.
@@ -328,5 +395,33 @@ max_attempts = 3
         std::fs::write(&path, "metrics_listen = \"a\"\nmetrics_listen = 1\n").unwrap();
         let err = RelayConfig::load(&path).unwrap_err().to_string();
         assert!(err.contains("relay.toml:2:1: "), "{err}");
+    }
+
+    #[test]
+    fn a_transactional_sink_needs_a_kafka_source_on_its_cluster_and_the_retriable_mode() {
+        let err = |r: RouteConfig| r.check(0).unwrap_err().to_string();
+        let tx = "kafka://h:1,g:2/out?transactional=relay-0";
+        // Kafka to Kafka on one cluster (broker order aside), with a DLQ there: accepted.
+        let mut r = route("kafka://g:2,h:1/in?group=g", tx);
+        r.dead_letter = Some("kafka://g:2,h:1/in.dlq".into());
+        let checked = r.check(0).unwrap();
+        assert_eq!(checked.sink.transactional_id(), Some("relay-0"));
+        let amqp = err(route("amqp://u:p@h:5672/%2f?queue=q", tx));
+        assert!(amqp.contains("to: transactional= needs a Kafka source: no Kafka transaction can cover a RabbitMQ ack"), "{amqp}");
+        let nats = err(route("nats://h:4222/S?consumer=c", tx));
+        assert!(nats.contains("cover a JetStream ack"), "{nats}");
+        let other = err(route("kafka://elsewhere:9092/in?group=g", tx));
+        assert!(other.contains("to: transactional= needs the sink on the source's cluster (kafka://elsewhere:9092/TOPIC)"), "{other}");
+        let mut r = route("kafka://h:1,g:2/in?group=g", tx);
+        r.mode = Some("idempotent".into());
+        let idempotent = err(r);
+        assert!(idempotent.contains("mode: idempotent cannot run with a transactional= sink: a transaction that aborts must release its claims, and a mark cannot be released"), "{idempotent}");
+        let mut r = route("kafka://h:1/in?group=g", "kafka://h:1/out");
+        r.dead_letter = Some("kafka://h:1/dlq?transactional=x".into());
+        assert!(err(r).contains("dead_letter: transactional= goes on the sink"));
+        // The idempotent producer's sink takes any source and mode, as before.
+        let mut r = route("nats://h:4222/S?consumer=c", "kafka://h:1/out");
+        r.mode = Some("idempotent".into());
+        assert!(r.check(0).is_ok());
     }
 }

@@ -15,6 +15,9 @@
 //!   gives it, checked into a [`Route`] ([`ConfigError`]).
 //! - [`sink`]: the [`Sink`] trait (`send` returns once the destination confirmed) and its
 //!   stdout, file, Kafka, RabbitMQ and JetStream forms, opened by [`sink::open`].
+//! - A Kafka source with a `kafka://…/TOPIC?transactional=ID` sink runs as one
+//!   [`TransactionalPipe`](dedupgate_consumers::kafka::TransactionalPipe) (`source::kafka_pipe`):
+//!   the records produced and the offsets consumed commit in one Kafka transaction.
 //! - `source`: one reader per broker; a reject (no usable key, a fingerprint mismatch, a
 //!   forward that failed `max_attempts` times, a failed idempotent forward) goes to the
 //!   dead-letter sink with the reason in headers before the delivery is acked.
@@ -142,8 +145,15 @@ pub async fn run(
 ) -> Result<Metrics, RelayError> {
     let mut metrics = Metrics::default();
     let mut ready = Vec::with_capacity(routes.len());
+    let mut pipes = Vec::new();
     for (route, gate) in routes {
         let cg = consumer_gate(&route, gate)?;
+        if route.sink.transactional_id().is_some() {
+            // Kafka to Kafka in one transaction: the pipe produces; no sink is opened.
+            let route_metrics = metrics.add(&route.name);
+            pipes.push((route, cg, route_metrics));
+            continue;
+        }
         let opened = |cause| RelayError::Sink {
             route: route.name.clone(),
             cause,
@@ -195,6 +205,29 @@ pub async fn run(
         tracing::info!(route = %route.name, to = %route.sink, "relay: route started");
         let name = route.name.clone();
         let task = tasks.spawn(run_route(route, cg, forward, stopped));
+        names.insert(task.id(), name);
+    }
+    for (route, cg, route_metrics) in pipes {
+        tracing::info!(route = %route.name, to = %route.sink, "relay: transactional route started");
+        let name = route.name.clone();
+        #[cfg(feature = "kafka")]
+        let task = tasks.spawn(source::kafka_pipe::run(
+            route,
+            cg,
+            route_metrics,
+            stopped.clone(),
+        ));
+        #[cfg(not(feature = "kafka"))]
+        let task = {
+            drop((route, cg, route_metrics));
+            let name = name.clone();
+            tasks.spawn(async move {
+                Err(RelayError::NotBuilt {
+                    route: name,
+                    broker: "Kafka",
+                })
+            })
+        };
         names.insert(task.id(), name);
     }
     tokio::pin!(shutdown);

@@ -14,7 +14,8 @@ use tokio::net::TcpListener;
 pub struct RouteMetrics {
     /// Deliveries taken from the source (a redelivery counts again).
     pub records_in: AtomicU64,
-    /// Messages the sink confirmed.
+    /// Messages the sink confirmed (a transactional route: records produced into a transaction,
+    /// so an aborted one's count again when they run again).
     pub forwarded: AtomicU64,
     /// Deliveries whose key was already completed: acked, not forwarded.
     pub duplicates: AtomicU64,
@@ -31,6 +32,11 @@ pub struct RouteMetrics {
     /// pull or a missed heartbeat, as while the server is away; Kafka: a lag read the brokers
     /// did not answer). A count that keeps rising says the source is not being read.
     pub source_errors: AtomicU64,
+    /// Transactional routes (`?transactional=`): Kafka transactions committed.
+    pub transactions_committed: AtomicU64,
+    /// Transactional routes: Kafka transactions aborted (their claims released, their records
+    /// consumed and forwarded again).
+    pub transactions_aborted: AtomicU64,
     /// Kafka sources: records past the group's committed offsets at the last read; `u64::MAX`
     /// until read (and for other sources), when it is not exported.
     pub kafka_lag: AtomicU64,
@@ -47,6 +53,8 @@ impl Default for RouteMetrics {
             forward_failures: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             source_errors: AtomicU64::new(0),
+            transactions_committed: AtomicU64::new(0),
+            transactions_aborted: AtomicU64::new(0),
             kafka_lag: AtomicU64::new(LAG_UNKNOWN),
         }
     }
@@ -103,7 +111,7 @@ impl Metrics {
 
     /// The Prometheus text exposition of every counter.
     pub fn render(&self) -> String {
-        let families: [Family; 8] = [
+        let families: [Family; 10] = [
             ("records_in", "Deliveries taken from the source.", |m| {
                 &m.records_in
             }),
@@ -137,6 +145,16 @@ impl Metrics {
                 "source_errors",
                 "Errors reading the source (the client reconnects by itself).",
                 |m| &m.source_errors,
+            ),
+            (
+                "transactions_committed",
+                "Kafka transactions committed (transactional routes).",
+                |m| &m.transactions_committed,
+            ),
+            (
+                "transactions_aborted",
+                "Kafka transactions aborted: their records run again (transactional routes).",
+                |m| &m.transactions_aborted,
             ),
         ];
         let mut out = String::new();

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `kafka://HOST:PORT[,HOST:PORT…]/TOPIC?group=G` | consumer group `G` (required) | — |
 //! | `kafka://HOST:PORT[,HOST:PORT…]/TOPIC` | — | idempotent producer to `TOPIC` |
+//! | `kafka://HOST:PORT[,HOST:PORT…]/TOPIC?transactional=ID` | — | a Kafka source's route as one transactional pipe: records and consumed offsets committed together (`crate::config` refuses it from other sources, another cluster, the idempotent mode) |
 //! | `amqp://USER:PASS@HOST:PORT/VHOST?queue=Q` | consume queue `Q` | — |
 //! | `amqp://USER:PASS@HOST:PORT/VHOST?exchange=X&routing_key=K` | — | publish with confirms (`exchange` may be empty: the default exchange) |
 //! | `nats://HOST:PORT/STREAM?consumer=C` | JetStream durable pull consumer `C` of `STREAM` (created when missing) | — |
@@ -62,12 +63,15 @@ pub enum SinkSpec {
     Stdout,
     /// JSON lines appended to a file.
     File(PathBuf),
-    /// A Kafka topic, through an idempotent producer.
+    /// A Kafka topic, through an idempotent producer; or, with a transactional id, produced in
+    /// the transaction that commits the Kafka source's offsets.
     Kafka {
         /// `host:port[,host:port…]`.
         bootstrap: String,
         /// The topic.
         topic: String,
+        /// `transactional=ID`: the producer's `transactional.id` (one per running instance).
+        transactional_id: Option<String>,
     },
     /// A RabbitMQ exchange, with publisher confirms.
     Amqp {
@@ -284,10 +288,15 @@ impl std::str::FromStr for SinkSpec {
         match p.scheme {
             "kafka" => {
                 let (host, topic) = p.host_and_name(url, "topic")?;
-                p.done(url, "a Kafka sink takes none")?;
+                let transactional_id = match p.take("transactional") {
+                    Some("") => return Err(bad(url, "transactional= needs an id")),
+                    id => id.map(str::to_owned),
+                };
+                p.done(url, "a Kafka sink takes transactional=")?;
                 Ok(Self::Kafka {
                     bootstrap: host.to_owned(),
                     topic: topic.to_owned(),
+                    transactional_id,
                 })
             }
             "amqp" | "amqps" => {
@@ -321,12 +330,33 @@ impl std::str::FromStr for SinkSpec {
     }
 }
 
+impl SinkSpec {
+    /// The transactional id of a Kafka sink written with `transactional=ID`.
+    pub fn transactional_id(&self) -> Option<&str> {
+        match self {
+            Self::Kafka {
+                transactional_id, ..
+            } => transactional_id.as_deref(),
+            _ => None,
+        }
+    }
+}
+
 impl std::fmt::Display for SinkSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Stdout => f.write_str("stdout:"),
             Self::File(path) => write!(f, "file:{}", path.display()),
-            Self::Kafka { bootstrap, topic } => write!(f, "kafka://{bootstrap}/{topic}"),
+            Self::Kafka {
+                bootstrap,
+                topic,
+                transactional_id: None,
+            } => write!(f, "kafka://{bootstrap}/{topic}"),
+            Self::Kafka {
+                bootstrap,
+                topic,
+                transactional_id: Some(id),
+            } => write!(f, "kafka://{bootstrap}/{topic}?transactional={id}"),
             Self::Amqp {
                 exchange,
                 routing_key,
@@ -408,9 +438,23 @@ mod tests {
             "kafka://h:1/out".parse::<SinkSpec>().unwrap(),
             SinkSpec::Kafka {
                 bootstrap: "h:1".into(),
-                topic: "out".into()
+                topic: "out".into(),
+                transactional_id: None,
             }
         );
+        let tx = "kafka://h:1/out?transactional=relay-0"
+            .parse::<SinkSpec>()
+            .unwrap();
+        assert_eq!(
+            tx,
+            SinkSpec::Kafka {
+                bootstrap: "h:1".into(),
+                topic: "out".into(),
+                transactional_id: Some("relay-0".into()),
+            }
+        );
+        assert_eq!(tx.transactional_id(), Some("relay-0"));
+        assert_eq!(tx.to_string(), "kafka://h:1/out?transactional=relay-0");
         assert_eq!(
             "amqp://g:g@h:5672/%2f?exchange=x&routing_key=k"
                 .parse::<SinkSpec>()
@@ -432,6 +476,7 @@ mod tests {
         assert!(err("file:").contains("no path"));
         assert!(err("amqp://h/%2f").contains("routing_key= is required"));
         assert!(err("kafka://h:1/t?group=g").contains("unknown parameter"));
+        assert!(err("kafka://h:1/t?transactional=").contains("transactional= needs an id"));
         assert!(err("s3://b/k").contains("unknown sink scheme"));
     }
 }

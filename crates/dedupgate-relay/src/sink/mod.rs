@@ -71,10 +71,20 @@ pub async fn open(spec: &SinkSpec) -> Result<Arc<dyn Sink>, SinkError> {
     match spec {
         SinkSpec::Stdout => Ok(Arc::new(file::StdoutSink::new())),
         SinkSpec::File(path) => Ok(Arc::new(file::FileSink::open(path).await?)),
+        // Produced to by its route's transactional pipe, inside the transaction, never alone.
+        SinkSpec::Kafka {
+            transactional_id: Some(_),
+            ..
+        } => Err(SinkError::Open {
+            sink: spec.to_string(),
+            reason: "a transactional Kafka sink is written inside its route's transaction".into(),
+        }),
         #[cfg(feature = "kafka")]
-        SinkSpec::Kafka { bootstrap, topic } => {
-            Ok(Arc::new(kafka::KafkaSink::new(bootstrap, topic)?))
-        }
+        SinkSpec::Kafka {
+            bootstrap,
+            topic,
+            transactional_id: None,
+        } => Ok(Arc::new(kafka::KafkaSink::new(bootstrap, topic)?)),
         #[cfg(feature = "rabbitmq")]
         SinkSpec::Amqp {
             uri,

@@ -20,11 +20,11 @@ use crate::route::SinkSpec;
 use crate::RelayError;
 
 /// How often the consumer's counters reach `/metrics`.
-const STATS_EVERY: Duration = Duration::from_millis(500);
+pub(super) const STATS_EVERY: Duration = Duration::from_millis(500);
 
 /// Session timeout asked of the group: librdkafka's 45 s default lets a crashed relay's
 /// partitions wait that long for a new holder.
-const SESSION_TIMEOUT_MS: &str = "10000";
+pub(super) const SESSION_TIMEOUT_MS: &str = "10000";
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
@@ -106,7 +106,7 @@ pub(crate) async fn run(
     })
 }
 
-async fn read_lag(reader: &Arc<LagReader>, metrics: &RouteMetrics) {
+pub(super) async fn read_lag(reader: &Arc<LagReader>, metrics: &RouteMetrics) {
     let reader = reader.clone();
     match tokio::task::spawn_blocking(move || reader.read()).await {
         Ok(Ok(lag)) => metrics.set_kafka_lag(lag),

@@ -8,12 +8,15 @@
 //! letter is not confirmed is not acked as a duplicate (`unsettled`).
 //!
 //! One file per broker: `kafka` (a [`KafkaConsumer`](dedupgate_consumers::kafka::KafkaConsumer)
-//! group member), `rabbitmq` (a queue consumer) and `nats` (a JetStream durable pull consumer).
+//! group member), `rabbitmq` (a queue consumer) and `nats` (a JetStream durable pull consumer);
+//! and `kafka_pipe`, a Kafka source to a transactional Kafka sink as one transactional pipe.
 
 #[cfg(feature = "kafka")]
 pub(crate) mod kafka;
 #[cfg(feature = "kafka")]
 mod kafka_lag;
+#[cfg(feature = "kafka")]
+pub(crate) mod kafka_pipe;
 #[cfg(feature = "nats")]
 pub(crate) mod nats;
 #[cfg(feature = "rabbitmq")]
