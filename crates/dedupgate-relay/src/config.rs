@@ -308,6 +308,18 @@ impl RelayConfig {
                     r.name
                 )));
             }
+            // Two producers with one transactional id fence each other: one route would stop.
+            if let Some(id) = r.sink.transactional_id() {
+                if let Some(o) = routes[..i]
+                    .iter()
+                    .find(|o| o.sink.transactional_id() == Some(id))
+                {
+                    return Err(ConfigError::Routes(format!(
+                        "routes {:?} and {:?} both write transactional={id}: each route needs its own id (two producers with one id fence each other)",
+                        o.name, r.name
+                    )));
+                }
+            }
         }
         Ok(routes)
     }
@@ -419,6 +431,15 @@ max_attempts = 3
         let mut r = route("kafka://h:1/in?group=g", "kafka://h:1/out");
         r.dead_letter = Some("kafka://h:1/dlq?transactional=x".into());
         assert!(err(r).contains("dead_letter: transactional= goes on the sink"));
+        let same_id = vec![
+            route("kafka://h:1/a?group=g", "kafka://h:1/x?transactional=t"),
+            route("kafka://h:1/b?group=g", "kafka://h:1/y?transactional=t"),
+        ];
+        let twice = RelayConfig::check_routes(same_id).unwrap_err().to_string();
+        assert!(
+            twice.contains("routes \"route-1\" and \"route-2\" both write transactional=t"),
+            "{twice}"
+        );
         // The idempotent producer's sink takes any source and mode, as before.
         let mut r = route("nats://h:4222/S?consumer=c", "kafka://h:1/out");
         r.mode = Some("idempotent".into());
