@@ -20,7 +20,8 @@ pub struct RelayArgs {
     /// nats://HOST:PORT/STREAM?consumer=C.
     #[arg(long, value_name = "SOURCE", required_unless_present = "config")]
     from: Option<String>,
-    /// The sink: kafka://HOST:PORT/TOPIC, amqp://…/VHOST?exchange=X&routing_key=K,
+    /// The sink: kafka://HOST:PORT/TOPIC (from a Kafka source, ?transactional=ID: records and
+    /// consumed offsets in one transaction), amqp://…/VHOST?exchange=X&routing_key=K,
     /// nats://HOST:PORT/SUBJECT, stdout:, file:PATH.
     #[arg(long, value_name = "SINK", required_unless_present = "config")]
     to: Option<String>,
