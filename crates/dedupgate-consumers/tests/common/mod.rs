@@ -7,6 +7,8 @@
 pub mod amqp;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "kafka")]
+pub mod workload;
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
