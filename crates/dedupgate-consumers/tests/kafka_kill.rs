@@ -10,7 +10,7 @@
 //! - `a_rebalance_between_two_processes_adds_no_duplicate`: A consumes; B joins mid-stream (a
 //!   rebalance), then leaves with SIGTERM (another); every key is in the sink exactly once.
 //! - `a_process_killed_mid_stream_loses_nothing_and_duplicates_at_most_its_records_in_hand`:
-//!   A consumes; B joins; A is killed with SIGKILL at a random moment and restarted; every key
+//!   A consumes; B joins; A is killed with SIGKILL mid-stream and restarted; every key
 //!   is in the sink, and the extra lines are at most the killed process's in-flight bound (a
 //!   record whose handler wrote its line but whose key was not completed runs again on the
 //!   next holder once the dead holder's lease ran out).
@@ -37,15 +37,18 @@ use rand::{Rng, SeedableRng};
 const M: usize = 2_000;
 const D_PERCENT: usize = 30;
 const PARTITIONS: i32 = 4;
-/// 2,000 records in about 8 s, so that joins, leaves and kills land mid-stream.
+/// 2,000 records in about 16 s, so that joins (about 3 s each), leaves and kills land
+/// mid-stream.
 const PER_TICK: usize = 25;
-const TICK: Duration = Duration::from_millis(100);
+const TICK: Duration = Duration::from_millis(200);
 /// Records in hand per consumer process: the bound on what one kill can run again.
 const IN_FLIGHT: usize = 16;
 /// The claims' lease: a killed process's claims are taken over this long after its last
 /// renewal (the handler takes milliseconds; the gate renews the lease while it runs).
 const LEASE: Duration = Duration::from_secs(2);
 const DEADLINE: Duration = Duration::from_secs(90);
+/// How long each handler works before it writes its line.
+const HANDLER_WORK: Duration = Duration::from_millis(40);
 
 const TESTS: [&str; 2] = [
     "a_rebalance_between_two_processes_adds_no_duplicate",
@@ -138,6 +141,9 @@ fn child() {
         let handler = move |msg: Message| {
             let sink = sink.clone();
             async move {
+                // The handler's work before its effect: records stay in hand long enough
+                // (IN_FLIGHT of them at the pace of the stream) for a kill to find some.
+                tokio::time::sleep(HANDLER_WORK).await;
                 tokio::task::spawn_blocking(move || {
                     let mut file = sink.lock().unwrap();
                     // One write per line: O_APPEND keeps the two processes' lines whole.
@@ -414,8 +420,8 @@ fn rebalance_only() {
     );
 }
 
-/// A then B in one group; A killed with SIGKILL at a random moment after B started (before,
-/// during or after the rebalance B's join makes) and restarted. Nothing is lost: A's records in
+/// A then B in one group; once B got its partitions, A is killed with SIGKILL after a random
+/// number of further lines (while it handles its share) and restarted. Nothing is lost: A's records in
 /// hand were not committed, so the group delivers them again. A key whose handler ran on A but
 /// was not completed runs again (once A's lease ran out), so the sink has at most
 /// `IN_FLIGHT` extra lines for the one kill.
@@ -430,10 +436,12 @@ fn kill_mid_stream() {
     a.wait_assigned(&scene);
     scene.wait_lines(rng.gen_range(100..=400));
     let b = scene.start("b");
-    let after = Duration::from_millis(rng.gen_range(0..=3_000));
-    std::thread::sleep(after);
+    b.wait_assigned(&scene);
+    // Both hold partitions again: A is killed while it handles its share of the stream.
+    let lines = scene.sink_lines();
+    scene.wait_lines(lines + rng.gen_range(1..=100));
     eprintln!(
-        "kafka_kill: SIGKILL A {after:?} after B started, at {} lines",
+        "kafka_kill: SIGKILL A at {} lines, after B joined at {lines}",
         scene.sink_lines()
     );
     // Child::kill is SIGKILL.
