@@ -108,6 +108,20 @@ impl Scene {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Waits until the relay logged a group assignment beyond the `before` logged so far (a
+    /// run that finds the stream committed takes no record, but it does get partitions).
+    fn wait_assigned(&self, before: usize) {
+        let deadline = Instant::now() + JOIN_DEADLINE;
+        while self.log().matches(ASSIGNED).count() == before {
+            assert!(
+                Instant::now() < deadline,
+                "the relay got no partitions within {JOIN_DEADLINE:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Relay {
@@ -183,9 +197,9 @@ struct Run {
 /// Produces the workload at its pace while the relay runs and kills the relay with SIGKILL
 /// [`KILLS`] times: the first run once it forwarded a random number of records (so that kill
 /// finds records in hand, forwarded or being forwarded, not yet completed), each later run at
-/// a random moment up to 1.5 s after it took its first record (records taken again after the
-/// previous kill: duplicates being settled, or keys still held by the dead run's claims until
-/// their lease ends, or new ones). Then lets a last run commit the whole stream and stops it
+/// a random moment up to 1.5 s after it got its partitions (while it takes the records left
+/// uncommitted by the previous kill: duplicates being settled, keys still held by the dead
+/// run's claims until their lease ends, or new ones). Then lets a last run commit the whole stream and stops it
 /// with SIGTERM (exit 0).
 fn relay_under_kills(broker: &kafka::Broker, scene: &Scene, source: &str, group: &str) -> Run {
     let seed = seed();
@@ -201,16 +215,17 @@ fn relay_under_kills(broker: &kafka::Broker, scene: &Scene, source: &str, group:
     });
     let started = Instant::now();
     for kill in 1..=KILLS {
+        let assigned_before = scene.log().matches(ASSIGNED).count();
         let mut relay = scene.start();
         let when = if kill == 1 {
             let forwarded = rng.gen_range(1..=200);
             relay.wait_for(scene, "forwarded", forwarded);
             format!("after it forwarded {forwarded} records")
         } else {
-            relay.wait_for(scene, "records_in", 1);
+            scene.wait_assigned(assigned_before);
             let after = Duration::from_millis(rng.gen_range(0..=1_500));
             std::thread::sleep(after);
-            format!("{after:?} after it took its first record")
+            format!("{after:?} after it got its partitions")
         };
         eprintln!(
             "relay_sigkill: kill {kill}/{KILLS} at {:?}, {when}",
@@ -247,15 +262,7 @@ fn relay_under_kills(broker: &kafka::Broker, scene: &Scene, source: &str, group:
     );
     // The last run may find everything committed already: it is stopped once it holds the
     // partitions, so SIGTERM finds it running.
-    let deadline = Instant::now() + JOIN_DEADLINE;
-    while scene.log().matches(ASSIGNED).count() == assigned_before {
-        assert!(
-            Instant::now() < deadline,
-            "the last run got no partitions:\n{}",
-            scene.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    scene.wait_assigned(assigned_before);
     assert_eq!(relay.terminate(), Some(0), "{}", scene.log());
     Run {
         kills: KILLS,
