@@ -44,7 +44,7 @@ const TICK: Duration = Duration::from_millis(200);
 /// Records in hand per consumer process: the bound on what one kill can run again.
 const IN_FLIGHT: usize = 16;
 /// The claims' lease: a killed process's claims are taken over this long after its last
-/// renewal (the handler takes milliseconds; the gate renews the lease while it runs).
+/// renewal (the handler takes about 40 ms; the gate renews the lease while it runs).
 const LEASE: Duration = Duration::from_secs(2);
 const DEADLINE: Duration = Duration::from_secs(90);
 /// How long each handler works before it writes its line.
