@@ -39,6 +39,13 @@
 //! | the gate could not decide (the handler did not run) | retry after the unavailable delay; never ack |
 //! | the handler ran, but its completion could not be recorded (the store stayed down while the gate asked again for ~2 s, or the lease was lost) | ack, logged as an error: a redelivery would find the key still held and run the handler again once the lease ran out |
 //!
+//! Idempotent mode marks the key before the handler runs, so a rejected message whose dead letter
+//! (AMQP reject, JetStream term, Kafka dead-letter publish) is not confirmed would come back as
+//! a duplicate and be acked, lost: [`Unsettled`] records such a reject in the store (beside the
+//! mark, for its ttl) before it is sent and deletes it once it is confirmed, and a duplicate that
+//! finds the record is rejected again instead of acked (the relay uses it too). A crash between
+//! the mark and that record still loses the message: idempotent mode is at most once.
+//!
 //! The failure delay grows with the broker's delivery count `n` (JetStream: the message's
 //! `delivered`; RabbitMQ: `x-delivery-count`, which quorum queues set, or the `rejected` counts of
 //! `x-death`, plus one): `initial × 2^(n−1)`, capped at `max` (by default 1 s, 2 s, 4 s, … up to
@@ -80,6 +87,7 @@ pub mod nats;
 mod options;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+mod unsettled;
 
 pub use delivery::{Attempt, Message};
 pub use gate::ConsumerGate;
@@ -89,3 +97,4 @@ pub use options::{
     FAILURE_RETRY_MAX_DEFAULT, IN_PROGRESS_RETRY_DEFAULT, IN_PROGRESS_RETRY_FLOOR,
     UNAVAILABLE_RETRY_DEFAULT, WORKER_BYTES_MAX,
 };
+pub use unsettled::Unsettled;

@@ -170,13 +170,7 @@ pub async fn run(
             dead_letter,
             metrics: metrics.add(&route.name),
             mode: route.mode,
-            unsettled: source::Unsettled {
-                gate: cg.gate().clone(),
-                namespace: route.namespace.clone(),
-                ttl_ms: route
-                    .ttl
-                    .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
-            },
+            unsettled: cg.unsettled(),
         };
         ready.push((route, cg, forward));
     }

@@ -5,7 +5,7 @@
 //! concern the sink, which the gate cannot know (`Forward::settle_action`): a reject goes to
 //! the route's dead-letter sink, with the reason, before the delivery is acked; a forward the
 //! sink refuses outright is rejected at once; and in idempotent mode a marked key whose dead
-//! letter is not confirmed is not acked as a duplicate (`unsettled`).
+//! letter is not confirmed is not acked as a duplicate ([`Unsettled`], the consumers crate's rule).
 //!
 //! One file per broker: `kafka` (a [`KafkaConsumer`](dedupgate_consumers::kafka::KafkaConsumer)
 //! group member), `rabbitmq` (a queue consumer) and `nats` (a JetStream durable pull consumer);
@@ -21,16 +21,14 @@ pub(crate) mod kafka_pipe;
 pub(crate) mod nats;
 #[cfg(feature = "rabbitmq")]
 pub(crate) mod rabbitmq;
-mod unsettled;
 
 use std::sync::Arc;
 
-use dedupgate_consumers::{Action, Handled, Message};
+use dedupgate_consumers::{Action, Handled, Message, Unsettled};
 use dedupgate_core::Mode;
 
 use crate::metrics::RouteMetrics;
 use crate::sink::{Header, Sink, SinkError};
-pub(crate) use unsettled::Unsettled;
 
 /// Dead letters carry why in this header (as the Kafka consumer's do).
 pub const REASON_HEADER: &str = "dedupgate-reason";

@@ -1,0 +1,142 @@
+//! [`Unsettled`]: idempotent mode's record of a rejected delivery whose dead letter (a DLQ
+//! publish, an AMQP reject to a dead-letter exchange, a JetStream term) is not confirmed yet.
+//! The key was marked before the handler ran, so a redelivery finds it marked and would be acked
+//! as a duplicate: the message would reach neither the handler nor the dead letters. The record
+//! is written before the dead letter is sent and deleted once it is confirmed; a redelivery of a
+//! marked key that finds it is dead-lettered instead of acked.
+//!
+//! It lives in the consumer's own namespace and store, under a hashed key, with the consumer's
+//! ttl (the mark's), so it is never kept longer than the mark it qualifies. A crash between the
+//! mark and the record still loses the message: idempotent mode is at most once.
+
+use dedupgate_core::{Gate, GateError, Mode};
+use sha2::{Digest, Sha256};
+
+use crate::{Action, ConsumerGate, Handled};
+
+/// Where the unsettled records of one consumer (or relay route) live.
+#[derive(Clone, Debug)]
+pub struct Unsettled {
+    gate: Gate,
+    namespace: String,
+    ttl_ms: Option<u64>,
+}
+
+/// The record's key for gate key `key`: a fixed prefix and the key's SHA-256 (hex), so it stays
+/// within the gate's key limit (1024 bytes) whatever the key's length.
+fn record_key(key: &str) -> String {
+    format!(
+        "dedupgate.unsettled:{}",
+        hex::encode(Sha256::digest(key.as_bytes()))
+    )
+}
+
+impl Unsettled {
+    /// Records in `namespace` of `gate`, kept `ttl_ms` (the marks' ttl; `None`: the store's
+    /// default, as the marks).
+    pub fn new(gate: Gate, namespace: impl Into<String>, ttl_ms: Option<u64>) -> Self {
+        Self {
+            gate,
+            namespace: namespace.into(),
+            ttl_ms,
+        }
+    }
+
+    /// Records that `key`'s delivery is rejected for `reason` and its dead letter not yet
+    /// confirmed.
+    pub async fn record(&self, key: &str, reason: &str) -> Result<(), GateError> {
+        let result = serde_json::json!({ "reason": reason });
+        self.gate
+            .mark(
+                &self.namespace,
+                &record_key(key),
+                self.ttl_ms,
+                None,
+                Some(result),
+            )
+            .await
+            // A record already there (an earlier delivery's) says the same.
+            .map(|_| ())
+    }
+
+    /// The reason of `key`'s rejection when an earlier delivery left its dead letter
+    /// unconfirmed.
+    pub async fn recorded(&self, key: &str) -> Result<Option<String>, GateError> {
+        let record = self.gate.get(&self.namespace, &record_key(key)).await?;
+        Ok(record.map(|r| {
+            r.result
+                .as_ref()
+                .and_then(|v| v["reason"].as_str())
+                .map_or_else(|| format!("{key}: rejected"), str::to_owned)
+        }))
+    }
+
+    /// Deletes the record once the dead letter is confirmed. A record left behind (the store
+    /// down) costs at most a second dead letter for a later copy, never a lost message.
+    pub async fn clear(&self, key: &str) {
+        if let Err(e) = self.gate.forget(&self.namespace, &record_key(key)).await {
+            tracing::warn!(error = %e, "an unsettled record was not deleted; a later copy of its message may be dead-lettered again");
+        }
+    }
+}
+
+impl ConsumerGate {
+    /// Where this consumer keeps its [`Unsettled`] records: its namespace, with its ttl.
+    pub fn unsettled(&self) -> Unsettled {
+        Unsettled::new(self.gate.clone(), self.namespace.clone(), self.ttl_ms)
+    }
+
+    /// The action for `handled` with idempotent mode's unsettled dead letters applied, for an
+    /// adapter whose dead letter is the broker's reject (AMQP reject, JetStream term) or its
+    /// own publish (Kafka): a failed handler's reject is recorded first, and a duplicate whose
+    /// earlier reject is recorded is rejected again, not acked. With a [`Pending`], the action
+    /// is `Reject`: [`Unsettled::clear`] its key once the reject is confirmed.
+    pub(crate) async fn settle_action<T, E: std::fmt::Display>(
+        &self,
+        handled: &Handled<T, E>,
+    ) -> (Action, Option<Pending>) {
+        let action = handled.action();
+        if self.mode != Mode::Idempotent {
+            return (action, None);
+        }
+        match handled {
+            Handled::Failed { key, .. } if action == Action::Reject => {
+                let reason = handled.to_string();
+                // Best effort: without the record, a reject that fails loses the message, as
+                // at-most-once allows; the reject itself is not held back for it.
+                if let Err(e) = self.unsettled().record(key, &reason).await {
+                    tracing::error!(error = %e, key = %key, "a marked key's pending dead letter cannot be recorded; if the reject fails, the message is lost");
+                }
+                let key = key.clone();
+                (action, Some(Pending { key, reason }))
+            }
+            Handled::Duplicate { key, .. } => match self.unsettled().recorded(key).await {
+                Ok(None) => (action, None),
+                Ok(Some(reason)) => {
+                    tracing::warn!(key = %key, "a copy of a rejected message whose dead letter was not confirmed is rejected again: {reason}");
+                    let key = key.clone();
+                    (Action::Reject, Some(Pending { key, reason }))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, key = %key, "cannot tell whether a marked key's dead letter is settled; the delivery is retried");
+                    let after = self.unavailable_retry;
+                    let retry = Action::Retry {
+                        after,
+                        failure: false,
+                    };
+                    (retry, None)
+                }
+            },
+            _ => (action, None),
+        }
+    }
+}
+
+/// A reject whose dead letter is recorded as unsettled: its key, and why it was rejected.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    pub(crate) key: String,
+    /// The dead letter's reason (the Kafka consumer publishes it; a broker's reject has none).
+    #[allow(dead_code)]
+    pub(crate) reason: String,
+}
