@@ -66,6 +66,11 @@ pub async fn connect(uri: &str) -> Result<Connection, RabbitError> {
 /// Processes one delivery through the gate, then settles it: ack, nack with requeue (after the
 /// retry delay) or reject without requeue. Returns what happened.
 ///
+/// Idempotent mode: a failed handler's reject is recorded as [`Unsettled`](crate::Unsettled)
+/// until the broker takes it, and a duplicate whose earlier reject is still recorded (the
+/// reject failed: a closed channel) is rejected again, not acked; it is returned as the
+/// `Duplicate` it is.
+///
 /// ```no_run
 /// # async fn demo(gate: dedupgate_consumers::ConsumerGate, consumer: lapin::Consumer) -> Result<(), Box<dyn std::error::Error>> {
 /// use futures::StreamExt;
@@ -105,7 +110,11 @@ where
             handler,
         )
         .await;
-    settle(delivery, handled.action()).await?;
+    let (action, pending) = gate.settle_action(&handled).await;
+    settle(delivery, action).await?;
+    if let Some(pending) = pending {
+        gate.unsettled().clear(&pending.key).await;
+    }
     Ok(handled)
 }
 

@@ -374,6 +374,68 @@ async fn idempotent_mode_never_retries_a_failed_handler() {
     conn.close(200, "done").await.expect("close");
 }
 
+/// Idempotent mode: a failed handler's reject that the broker never got (its channel closed
+/// first) leaves the message marked; its redelivery must be dead-lettered, not acked as a
+/// duplicate, or it would reach neither the handler nor the dead-letter queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_reject_that_failed_is_dead_lettered_on_redelivery_not_acked() {
+    let (conn, channel, queue, dlq) = setup().await;
+    amqp::publish(&channel, &queue, Some("key-u"), &payload("key-u")).await;
+    let (gate, _dir) = common::gate(Mode::Idempotent);
+
+    // The first delivery, unacked on a channel of its own, which the failing handler closes:
+    // its reject then fails and the broker puts the message back.
+    let first = conn.create_channel().await.expect("channel");
+    let got = first
+        .basic_get(&queue, BasicGetOptions { no_ack: false })
+        .await
+        .expect("basic.get")
+        .expect("the message");
+    let closing = first.clone();
+    let settled = rabbitmq::handle(&gate, &got.delivery, |_msg| async move {
+        closing.close(200, "lost before the reject").await.ok();
+        Err::<(), _>("boom")
+    })
+    .await;
+    assert!(settled.is_err(), "the reject must fail: {settled:?}");
+
+    let again = conn.create_channel().await.expect("channel");
+    let redelivered = again
+        .basic_get(&queue, BasicGetOptions { no_ack: false })
+        .await
+        .expect("basic.get")
+        .expect("the message, put back");
+    let handled = rabbitmq::handle(&gate, &redelivered.delivery, |_msg| async {
+        Ok::<_, String>("must not run: the key is marked")
+    })
+    .await
+    .expect("settle");
+    assert!(matches!(handled, Handled::Duplicate { .. }), "{handled}");
+
+    let dead = drain(&channel, &dlq).await;
+    assert_eq!(dead.len(), 1, "the redelivery was acked, not dead-lettered");
+    assert_eq!(dead[0].0.as_deref(), Some("key-u"));
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    // Settled: a later copy is a plain duplicate again, acked.
+    amqp::publish(&channel, &queue, Some("key-u"), &payload("key-u")).await;
+    let copy = again
+        .basic_get(&queue, BasicGetOptions { no_ack: false })
+        .await
+        .expect("basic.get")
+        .expect("the copy");
+    rabbitmq::handle(&gate, &copy.delivery, |_msg| async {
+        Ok::<_, String>("must not run")
+    })
+    .await
+    .expect("settle");
+    assert!(
+        drain(&channel, &dlq).await.is_empty(),
+        "dead-lettered twice"
+    );
+    delete(&channel, &[&queue, &dlq]).await;
+    conn.close(200, "done").await.expect("close");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_message_backs_off_and_is_dead_lettered_after_max_attempts() {
     let (conn, channel, queue, dlq) = setup_typed(true).await;
