@@ -52,6 +52,10 @@ pub enum NatsError {
 /// Processes one JetStream message through the gate, then settles it: ack (double ack), nak
 /// with the retry delay, or term. Returns what happened.
 ///
+/// Idempotent mode: a failed handler's term is recorded as [`Unsettled`](crate::Unsettled)
+/// until it is sent, and a duplicate whose earlier term is still recorded (it was not sent) is
+/// termed again, not acked; it is returned as the `Duplicate` it is.
+///
 /// ```no_run
 /// # async fn demo(gate: dedupgate_consumers::ConsumerGate, consumer: async_nats::jetstream::consumer::PullConsumer) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use futures::StreamExt;
@@ -102,7 +106,11 @@ where
         handler,
     );
     let handled = with_progress(message, every, processing).await;
-    settle(message, handled.action()).await?;
+    let (action, pending) = gate.settle_action(&handled).await;
+    settle(message, action).await?;
+    if let Some(pending) = pending {
+        gate.unsettled().clear(&pending.key).await;
+    }
     Ok(handled)
 }
 

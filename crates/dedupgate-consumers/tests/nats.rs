@@ -390,3 +390,103 @@ async fn a_handler_longer_than_the_ack_wait_is_not_delivered_again() {
     assert_eq!(info.delivered.consumer_sequence, 1, "{info:?}");
     fx.delete().await;
 }
+
+/// Idempotent mode: a failed handler's term that never reached the server (the client closed
+/// first) leaves the message marked; its redelivery after the ack wait must be termed, not acked
+/// as a duplicate, or it would go without a trace (no term advisory, no handler run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_term_that_failed_is_termed_on_redelivery_not_acked() {
+    let fx = fixture().await;
+    let url =
+        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let consumer: jetstream::consumer::PullConsumer = fx
+        .js
+        .get_stream(&fx.stream)
+        .await
+        .expect("stream")
+        .create_consumer(pull::Config {
+            durable_name: Some("lossy".into()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .expect("create consumer");
+    let watcher = async_nats::connect(&url).await.expect("connect");
+    let mut terminated = watcher
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{}.lossy",
+            fx.stream
+        ))
+        .await
+        .expect("subscribe to term advisories");
+    watcher.flush().await.expect("flush");
+    assert!(fx.publish(Some("term-1"), b"{}").await);
+    let (gate, _dir) = common::gate(Mode::Idempotent);
+
+    // The first delivery, on a client the failing handler closes: its term cannot be sent.
+    let closed = Arc::new(tokio::sync::Notify::new());
+    let on_close = closed.clone();
+    let lossy = async_nats::ConnectOptions::new()
+        .event_callback(move |event| {
+            let on_close = on_close.clone();
+            async move {
+                if matches!(event, async_nats::Event::Closed) {
+                    on_close.notify_one();
+                }
+            }
+        })
+        .connect(&url)
+        .await
+        .expect("connect");
+    let first: jetstream::consumer::PullConsumer = jetstream::new(lossy.clone())
+        .get_stream(&fx.stream)
+        .await
+        .expect("stream")
+        .get_consumer("lossy")
+        .await
+        .expect("consumer");
+    let mut batch = first
+        .fetch()
+        .max_messages(1)
+        .messages()
+        .await
+        .expect("fetch");
+    let message = tokio::time::timeout(common::SETTLE_TIMEOUT, batch.next())
+        .await
+        .expect("a delivery")
+        .expect("the batch ended")
+        .expect("message");
+    let settled = nats::handle(&gate, &message, |_msg| async move {
+        lossy.drain().await.expect("drain");
+        closed.notified().await;
+        Err::<(), _>("boom")
+    })
+    .await;
+    assert!(settled.is_err(), "the term must fail: {settled:?}");
+
+    // Redelivered after the ack wait, to a working client.
+    let mut messages = consumer.messages().await.expect("messages");
+    let again = tokio::time::timeout(common::SETTLE_TIMEOUT, messages.next())
+        .await
+        .expect("a redelivery")
+        .expect("the consumer ended")
+        .expect("message");
+    let handled = nats::handle(&gate, &again, |_msg| async {
+        Ok::<_, String>("must not run: the key is marked")
+    })
+    .await
+    .expect("settle");
+    assert!(
+        matches!(handled, dedupgate_consumers::Handled::Duplicate { .. }),
+        "{handled}"
+    );
+    let advisory = tokio::time::timeout(Duration::from_secs(10), terminated.next()).await;
+    assert!(
+        matches!(advisory, Ok(Some(_))),
+        "the redelivery was acked, not termed"
+    );
+    let info = consumer.get_info().await.expect("consumer info");
+    assert_eq!(info.num_ack_pending, 0, "{info:?}");
+    fx.delete().await;
+}
