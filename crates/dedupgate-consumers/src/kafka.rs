@@ -16,7 +16,7 @@
 //! |---|---|
 //! | ack (ran, duplicate, ran but unrecorded) | settled: committed once every record before it is |
 //! | retry after a delay (a failure, a key held elsewhere, the gate unavailable) | held: waits the delay and is processed again in process, as delivery `n + 1`; its partition's commit stays below it meanwhile, the other records go on |
-//! | reject (no usable key, fingerprint mismatch, a failure not retried) | produced to the dead-letter topic with why in `dedupgate-reason` (and `dedupgate-outcome`, `dedupgate-source`, `dedupgate-key`) headers, then settled; a failed publish is tried again; with no dead-letter topic, logged as an error and settled |
+//! | reject (no usable key, fingerprint mismatch, a failure not retried) | produced to the dead-letter topic with why in `dedupgate-reason` (and `dedupgate-outcome`, `dedupgate-source`, `dedupgate-key`) headers, then settled; a failed publish is tried again (idempotent mode: recorded as [`Unsettled`](crate::Unsettled) first, so the partition's next holder dead-letters the record instead of acking it as a duplicate); with no dead-letter topic, logged as an error and settled |
 //!
 //! Delivery counts ([`Attempt`](crate::Attempt)) are this consumer's own attempts at a record:
 //! Kafka does not count deliveries. `max_attempts` ([`ConsumerGate::max_attempts`](crate::ConsumerGate::max_attempts)) applies

@@ -91,43 +91,50 @@ impl ConsumerGate {
     /// own publish (Kafka): a failed handler's reject is recorded first, and a duplicate whose
     /// earlier reject is recorded is rejected again, not acked. With a [`Pending`], the action
     /// is `Reject`: [`Unsettled::clear`] its key once the reject is confirmed.
-    pub(crate) async fn settle_action<T, E: std::fmt::Display>(
+    ///
+    /// The outcome is read before the returned future starts, so an adapter's spawned task
+    /// does not need the handler's value and error to be `Sync`.
+    pub(crate) fn settle_action<T, E: std::fmt::Display>(
         &self,
         handled: &Handled<T, E>,
-    ) -> (Action, Option<Pending>) {
+    ) -> impl std::future::Future<Output = (Action, Option<Pending>)> + Send + 'static {
         let action = handled.action();
-        if self.mode != Mode::Idempotent {
-            return (action, None);
-        }
-        match handled {
+        let retry = Action::Retry {
+            after: self.unavailable_retry,
+            failure: false,
+        };
+        let case = match handled {
+            _ if self.mode != Mode::Idempotent => None,
             Handled::Failed { key, .. } if action == Action::Reject => {
-                let reason = handled.to_string();
+                Some((key.clone(), Some(handled.to_string())))
+            }
+            Handled::Duplicate { key, .. } => Some((key.clone(), None)),
+            _ => None,
+        };
+        let unsettled = case.is_some().then(|| self.unsettled());
+        async move {
+            let (Some((key, failed)), Some(unsettled)) = (case, unsettled) else {
+                return (action, None);
+            };
+            if let Some(reason) = failed {
                 // Best effort: without the record, a reject that fails loses the message, as
                 // at-most-once allows; the reject itself is not held back for it.
-                if let Err(e) = self.unsettled().record(key, &reason).await {
+                if let Err(e) = unsettled.record(&key, &reason).await {
                     tracing::error!(error = %e, key = %key, "a marked key's pending dead letter cannot be recorded; if the reject fails, the message is lost");
                 }
-                let key = key.clone();
-                (action, Some(Pending { key, reason }))
+                return (action, Some(Pending { key, reason }));
             }
-            Handled::Duplicate { key, .. } => match self.unsettled().recorded(key).await {
+            match unsettled.recorded(&key).await {
                 Ok(None) => (action, None),
                 Ok(Some(reason)) => {
                     tracing::warn!(key = %key, "a copy of a rejected message whose dead letter was not confirmed is rejected again: {reason}");
-                    let key = key.clone();
                     (Action::Reject, Some(Pending { key, reason }))
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, key = %key, "cannot tell whether a marked key's dead letter is settled; the delivery is retried");
-                    let after = self.unavailable_retry;
-                    let retry = Action::Retry {
-                        after,
-                        failure: false,
-                    };
                     (retry, None)
                 }
-            },
-            _ => (action, None),
+            }
         }
     }
 }
@@ -137,6 +144,6 @@ impl ConsumerGate {
 pub(crate) struct Pending {
     pub(crate) key: String,
     /// The dead letter's reason (the Kafka consumer publishes it; a broker's reject has none).
-    #[allow(dead_code)]
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
     pub(crate) reason: String,
 }

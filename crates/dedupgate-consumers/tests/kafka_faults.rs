@@ -187,3 +187,105 @@ async fn records_in_hand_when_the_broker_goes_down_are_settled_once_it_is_back()
     let want: BTreeMap<String, u32> = keys.iter().map(|k| (k.clone(), 1)).collect();
     assert_eq!(*runs.lock().unwrap(), want);
 }
+
+/// Idempotent mode: a failed handler's dead letter that the broker refuses until the consumer
+/// stops leaves the record uncommitted and its key marked. The next group member must
+/// dead-letter it, not ack it as a duplicate: before, it reached neither the handler nor the
+/// dead-letter topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idempotent_dead_letter_refused_until_a_stop_is_dead_lettered_by_the_next_member() {
+    let cluster = MockCluster::new(1).expect("mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    let (topic, dlq, group) = (unique("orders"), unique("orders-dlq"), unique("billing"));
+    cluster.create_topic(&topic, 1, 1).unwrap();
+    cluster.create_topic(&dlq, 1, 1).unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .unwrap();
+    let mut ends = Vec::new();
+    broker::produce(
+        &producer,
+        &topic,
+        1,
+        &[(0, Some("k-1"), &b"{}"[..])],
+        &mut ends,
+    )
+    .await;
+    // From here every produce (the dead letters) is refused, not retried by librdkafka.
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED; 1000],
+    );
+    let (gate, _dir) = common::gate(Mode::Idempotent);
+    let config = || {
+        config(&bootstrap, &group, &topic)
+            .dead_letter_topic(&dlq)
+            .unwrap()
+            .shutdown_grace(Duration::from_millis(500))
+            .unwrap()
+    };
+
+    // The first member: its handler fails once, then it is stopped while the dead letter is
+    // refused.
+    let (failed, mut has_failed) = watch::channel(false);
+    let first = KafkaConsumer::new(gate.clone(), config()).unwrap();
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn(async move {
+        first
+            .run(
+                move |_msg: Message| {
+                    failed.send(true).ok();
+                    async { Err::<(), _>("boom") }
+                },
+                async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                },
+            )
+            .await
+            .unwrap()
+    });
+    tokio::time::timeout(DEADLINE, has_failed.wait_for(|f| *f))
+        .await
+        .expect("the handler ran")
+        .unwrap();
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    assert_eq!((stats.dead_lettered, stats.abandoned), (0, 1), "{stats:?}");
+    let committed = broker::committed(&bootstrap, &group, &topic, 1);
+    assert!(
+        committed[0].unwrap_or(0) < ends[0],
+        "committed past: {committed:?}"
+    );
+
+    // The dead-letter topic takes records again; the next member gets the record.
+    cluster.clear_request_errors(RDKafkaApiKey::Produce);
+    let runs: Runs = Arc::default();
+    let next = KafkaConsumer::new(gate, config()).unwrap();
+    let (stop, mut stopped) = watch::channel(false);
+    let task = tokio::spawn({
+        let runs = runs.clone();
+        async move {
+            next.run(
+                move |msg: Message| {
+                    *runs.lock().unwrap().entry(msg.key).or_default() += 1;
+                    async { Ok::<_, String>(()) }
+                },
+                async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                },
+            )
+            .await
+            .unwrap()
+        }
+    });
+    wait_committed(&bootstrap, &group, &topic, &ends, &runs).await;
+    stop.send(true).unwrap();
+    let stats = task.await.unwrap();
+    assert!(runs.lock().unwrap().is_empty(), "the marked key ran again");
+    assert_eq!(
+        (stats.dead_lettered, stats.duplicates),
+        (1, 0),
+        "acked as a duplicate, not dead-lettered: {stats:?}"
+    );
+}

@@ -411,12 +411,17 @@ where
                 handler,
             )
             .await;
-        match &handled {
-            Handled::Ran { .. } | Handled::Unrecorded { .. } => bump(&counters.ran),
-            Handled::Duplicate { .. } => bump(&counters.duplicates),
+        // Idempotent mode: a failed handler's dead letter is recorded as unsettled until the
+        // broker acknowledges it, so a revoke, stop or crash meanwhile does not let the next
+        // holder ack the record as a duplicate; a duplicate that finds the record is
+        // dead-lettered instead.
+        let (action, pending) = shared.gate.settle_action(&handled).await;
+        match (&handled, &action) {
+            (Handled::Ran { .. } | Handled::Unrecorded { .. }, _) => bump(&counters.ran),
+            (Handled::Duplicate { .. }, Action::Ack) => bump(&counters.duplicates),
             _ => {}
         }
-        match handled.action() {
+        match action {
             Action::Ack => break,
             Action::Retry { after, .. } => {
                 bump(&counters.retries);
@@ -424,11 +429,19 @@ where
                 attempt = attempt.saturating_add(1);
             }
             Action::Reject => {
-                let why = Why::of(&handled);
+                let mut why = Why::of(&handled);
                 drop(handled);
+                if let Some(pending) = &pending {
+                    // A duplicate's dead letter says why its first delivery was rejected.
+                    why.label = "failed";
+                    why.reason.clone_from(&pending.reason);
+                }
                 if !dead_letter(shared, &record, &tp, epoch, why).await {
                     bump(&counters.abandoned);
                     return;
+                }
+                if let Some(pending) = pending {
+                    shared.gate.unsettled().clear(&pending.key).await;
                 }
                 break;
             }
