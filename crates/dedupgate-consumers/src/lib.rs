@@ -30,7 +30,7 @@
 //! | outcome | action |
 //! |---|---|
 //! | the handler ran (retriable: completed with its value; idempotent: marked first) | ack |
-//! | duplicate of a completed key | ack, the handler does not run |
+//! | duplicate of a completed key | ack, the handler does not run (idempotent mode: rejected instead while an earlier delivery's reject is [`Unsettled`]) |
 //! | duplicate of a key another consumer holds | retry after the in-progress delay (at most the holder's remaining lease, but not under 100 ms) |
 //! | retriable handler failed | the claim is released; retry after the failure delay (below), as a failure (AMQP: reject with requeue, which a quorum queue counts; JetStream: nak with the delay) |
 //! | retriable handler failed on delivery `max_attempts` (when set, and the broker counts deliveries) | the claim is released; reject without requeue (dead-letter / term), logged with the error |

@@ -147,3 +147,70 @@ pub(crate) struct Pending {
     #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
     pub(crate) reason: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use dedupgate_core::{Gate, MemoryStore, Mode};
+
+    use crate::{Action, Attempt, ConsumerGate, Handled};
+
+    fn consumer(mode: Mode) -> ConsumerGate {
+        ConsumerGate::new(Gate::new(MemoryStore::new()), "orders")
+            .unwrap()
+            .mode(mode)
+    }
+
+    async fn deliver(gate: &ConsumerGate, fails: bool) -> Handled<(), String> {
+        gate.process(
+            Some("o-1"),
+            "id",
+            b"{}",
+            Attempt::FIRST,
+            |_msg| async move {
+                if fails {
+                    Err("boom".to_owned())
+                } else {
+                    Ok(())
+                }
+            },
+        )
+        .await
+    }
+
+    /// Idempotent mode: a failed handler's reject is recorded, a duplicate that finds the
+    /// record is rejected again, and once cleared a duplicate is acked.
+    #[tokio::test]
+    async fn a_duplicate_of_an_unsettled_reject_is_rejected_until_cleared() {
+        let gate = consumer(Mode::Idempotent);
+        let failed = deliver(&gate, true).await;
+        let (action, pending) = gate.settle_action(&failed).await;
+        assert_eq!(action, Action::Reject);
+        let pending = pending.expect("recorded");
+        assert_eq!(pending.key, "o-1");
+        assert_eq!(
+            gate.unsettled().recorded("o-1").await.unwrap(),
+            Some(failed.to_string())
+        );
+
+        let copy = deliver(&gate, false).await;
+        assert!(matches!(copy, Handled::Duplicate { .. }), "{copy}");
+        let (action, pending) = gate.settle_action(&copy).await;
+        assert_eq!(action, Action::Reject);
+        assert_eq!(pending.expect("recorded").reason, failed.to_string());
+
+        gate.unsettled().clear("o-1").await;
+        let (action, pending) = gate.settle_action(&copy).await;
+        assert_eq!((action, pending.is_none()), (Action::Ack, true));
+    }
+
+    /// Retriable mode releases the claim on failure, so there is nothing to record.
+    #[tokio::test]
+    async fn retriable_mode_records_nothing() {
+        let gate = consumer(Mode::Retriable).max_attempts(1).unwrap();
+        let failed = deliver(&gate, true).await;
+        let (action, pending) = gate.settle_action(&failed).await;
+        assert_eq!(action, failed.action());
+        assert!(pending.is_none());
+        assert_eq!(gate.unsettled().recorded("o-1").await.unwrap(), None);
+    }
+}
