@@ -11,7 +11,9 @@
 #   - relay: `dedupgate relay --from kafka://…/IN?group=G --to kafka://…/OUT --store FRESH_DIR`
 #     (retriable: claim, forward, complete; the embedded store, every answer fsync'd), timed
 #     from the first sample of /metrics with a forwarded record to the sample with all N
-#     (sampled every 50 ms).
+#     (sampled every 50 ms);
+#   - the same relay over the `memory:` store (no fsync): what the gate costs without the disk.
+# Then the disk's own ceiling: fdatasync/s of a 4 KiB write loop in the same directory.
 # The consumer group's join (slow on tansu: about half the session timeout) is outside both
 # timings. Prints a markdown table and the median ratio relay/plain.
 # Usage: scripts/bench-relay.sh [N] [PARTITIONS] [ROUNDS]
@@ -51,33 +53,54 @@ run_plain() { # $1 round
     python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.0f" % (d["records"]/d["seconds"]))'
 }
 
-run_relay() { # $1 round
+run_relay() { # $1 round, $2 label, $3 STORE
   local mport first="" t_first="" t_end="" f0=0 f
-  "$BENCH" produce "$B" "out-relay-$1" 0 "$PARTS" >/dev/null
+  "$BENCH" produce "$B" "out-$2-$1" 0 "$PARTS" >/dev/null
   mport=$(free_port)
-  "$BIN" relay --from "kafka://$B/in-$1?group=relay-$1" --to "kafka://$B/out-relay-$1" \
-    --store "$WORK/store-$1" --metrics-listen "127.0.0.1:$mport" 2>"$WORK/relay-$1.log" &
+  "$BIN" relay --from "kafka://$B/in-$1?group=$2-$1" --to "kafka://$B/out-$2-$1" \
+    --store "$3" --metrics-listen "127.0.0.1:$mport" 2>"$WORK/$2-$1.log" &
   RELAY=$!
   while :; do
     f=$(curl -s "127.0.0.1:$mport/metrics" | awk '/^dedupgate_relay_forwarded_total/ {s+=$2} END {print s+0}')
     if [ -z "$t_first" ] && [ "${f:-0}" -gt 0 ]; then t_first=$(now); f0=$f; fi
     if [ "${f:-0}" -ge "$N" ]; then t_end=$(now); break; fi
-    kill -0 "$RELAY" 2>/dev/null || { cat "$WORK/relay-$1.log" >&2; exit 1; }
+    kill -0 "$RELAY" 2>/dev/null || { cat "$WORK/$2-$1.log" >&2; exit 1; }
     sleep 0.05
   done
   kill -TERM "$RELAY"; wait "$RELAY" || true; RELAY=
   python3 -c "print('%.0f' % (($N - $f0) / ($t_end - $t_first)))"
 }
 
-echo "| round | plain records/s | relay records/s | relay/plain |"
-echo "|---|---|---|---|"
-ratios=()
+# The ceiling the disk sets: 4 KiB write + fdatasync in a loop for 2 s, in the directory the
+# embedded stores use (every claim and every completion waits for one of these, shared by the
+# answers of one group commit).
+fsync_rate() {
+  python3 - "$WORK" <<'PY'
+import os, sys, time
+fd = os.open(os.path.join(sys.argv[1], "fsync-probe"), os.O_WRONLY | os.O_CREAT, 0o600)
+buf, n, t0 = b"x" * 4096, 0, time.monotonic()
+while time.monotonic() - t0 < 2.0:
+    os.pwrite(fd, buf, 0); os.fdatasync(fd); n += 1
+print("%.0f" % (n / (time.monotonic() - t0)))
+PY
+}
+
+echo "| round | plain records/s | relay, embedded store | relay, memory: store | relay/plain | memory relay/plain |"
+echo "|---|---|---|---|---|---|"
+ratios=() mratios=()
 for r in $(seq 1 "$ROUNDS"); do
   "$BENCH" produce "$B" "in-$r" "$N" "$PARTS" >/dev/null
-  if (( r % 2 )); then p=$(run_plain "$r"); g=$(run_relay "$r"); else g=$(run_relay "$r"); p=$(run_plain "$r"); fi
+  if (( r % 2 )); then
+    p=$(run_plain "$r"); g=$(run_relay "$r" relay "$WORK/store-$r"); m=$(run_relay "$r" relaymem memory:)
+  else
+    m=$(run_relay "$r" relaymem memory:); g=$(run_relay "$r" relay "$WORK/store-$r"); p=$(run_plain "$r")
+  fi
   ratio=$(python3 -c "print('%.3f' % ($g / $p))")
-  ratios+=("$ratio")
-  echo "| $r | $p | $g | $ratio |"
+  mratio=$(python3 -c "print('%.3f' % ($m / $p))")
+  ratios+=("$ratio") mratios+=("$mratio")
+  echo "| $r | $p | $g | $m | $ratio | $mratio |"
 done
 python3 -c "import statistics,sys; print('median relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${ratios[@]}"
+python3 -c "import statistics,sys; print('median memory relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${mratios[@]}"
+echo "disk: $(fsync_rate) fdatasync/s (4 KiB write + fdatasync loop, in $WORK)"
 echo "(N=$N records per round, $PARTS partitions, tansu memory storage, $(nproc) cores)"
