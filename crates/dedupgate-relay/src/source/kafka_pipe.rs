@@ -15,12 +15,11 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use dedupgate_consumers::kafka::{KafkaConfig, Output, PipeConfig, PipeStats, TransactionalPipe};
+use dedupgate_consumers::kafka::{Output, PipeConfig, PipeStats, TransactionalPipe};
 use dedupgate_consumers::ConsumerGate;
 use tokio::sync::watch;
 
-use super::kafka::{read_lag, SESSION_TIMEOUT_MS, STATS_EVERY};
-use super::kafka_lag::{LagReader, LAG_EVERY};
+use super::kafka::{source_config, Watchers};
 use crate::kafka_error;
 use crate::metrics::RouteMetrics;
 use crate::route::{Route, SinkSpec, SourceSpec};
@@ -57,14 +56,8 @@ pub(crate) async fn run(
         ));
     };
     let failed = |reason: String| failed(format!("kafka topic {topic:?}: {reason}"));
-    let mut source = KafkaConfig::new(bootstrap, group, &[topic])
-        .and_then(|c| c.set("session.timeout.ms", SESSION_TIMEOUT_MS))
-        .map_err(|e| failed(e.to_string()))?;
-    if let Some(SinkSpec::Kafka { topic: dlq, .. }) = &route.dead_letter {
-        source = source
-            .dead_letter_topic(dlq)
-            .map_err(|e| failed(e.to_string()))?;
-    }
+    let source =
+        source_config(bootstrap, group, topic, route.dead_letter.as_ref()).map_err(failed)?;
     let config = PipeConfig::new(source, transactional_id).map_err(|e| failed(e.to_string()))?;
     let pipe = Arc::new(TransactionalPipe::new(gate, config).map_err(|e| {
         failed(format!(
@@ -72,34 +65,12 @@ pub(crate) async fn run(
             kafka_error::consumer_cause(&e)
         ))
     })?);
-    let copier = {
+    let watchers = {
         let pipe = pipe.clone();
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(STATS_EVERY);
-            loop {
-                every.tick().await;
-                copy(&metrics, pipe.stats());
-            }
+        Watchers::start(bootstrap, group, topic, metrics, move |m| {
+            copy(m, pipe.stats())
         })
     };
-    let lag = match LagReader::new(bootstrap, group, topic) {
-        Ok(reader) => Some(Arc::new(reader)),
-        Err(e) => {
-            tracing::warn!(error = %kafka_error::cause(&e), "relay: kafka lag is not measured: its client cannot be created");
-            None
-        }
-    };
-    let lag_task = lag.clone().map(|reader| {
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(LAG_EVERY);
-            loop {
-                every.tick().await;
-                read_lag(&reader, &metrics).await;
-            }
-        })
-    });
     let sink_topic = sink_topic.clone();
     let ran = pipe
         .run(
@@ -114,15 +85,7 @@ pub(crate) async fn run(
             },
         )
         .await;
-    copier.abort();
-    copy(&metrics, pipe.stats());
-    if let Some(task) = lag_task {
-        task.abort();
-    }
-    // Once more after the final commit, so the last value says what is left.
-    if let Some(reader) = lag {
-        read_lag(&reader, &metrics).await;
-    }
+    watchers.stop().await;
     ran.map(|_| ()).map_err(|e| {
         failed(format!(
             "the transactional pipe stopped: {}",
