@@ -363,13 +363,20 @@ async fn idempotent_mode_never_retries_a_failed_handler() {
         assert_eq!(succeeded.get(k), want, "{k}: {succeeded:?}");
     }
     assert_eq!(ledger.failed().get("key-02"), Some(&1));
-    // The failed first copy is dead-lettered; its duplicate is acked without running.
+    // The failed first copy is dead-lettered; its duplicate never runs. With two deliveries in
+    // hand, the duplicate may arrive while the first copy's dead letter is still unsettled (its
+    // unsettled record not yet cleared): the unsettled rule then dead-letters it too (an extra
+    // dead letter, never a loss), so key-02 is dead-lettered once or twice, never run again.
     assert_eq!(ledger.count("failed"), 1);
     assert_eq!(ledger.count("duplicate"), keys.len());
     assert_eq!(message_count(&channel, &queue).await, 0);
     let dead = drain(&channel, &dlq).await;
-    assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].0.as_deref(), Some("key-02"));
+    assert!(
+        (1..=2).contains(&dead.len()),
+        "dead letters: {}",
+        dead.len()
+    );
+    assert!(dead.iter().all(|d| d.0.as_deref() == Some("key-02")));
     delete(&channel, &[&queue, &dlq]).await;
     conn.close(200, "done").await.expect("close");
 }
