@@ -14,6 +14,7 @@ from pathlib import Path
 from conftest import ROOT
 
 DOC = ROOT / "docs" / "openapi.json"
+CONFIG = Path(__file__).with_name("schemathesis.toml")
 TOKEN = "openapi-test-admin-token"
 MAX_EXAMPLES = 50
 TIME_LIMIT_S = 240
@@ -38,7 +39,7 @@ def test_the_server_answers_as_its_openapi_document_says(start, tmp_path):
     cli = schemathesis_cli()
     assert cli, "schemathesis is not installed: pip install -r tests/python/requirements.txt"
     args = [
-        cli, "--no-color", "run", str(DOC),
+        cli, "--no-color", "--config-file", str(CONFIG), "run", str(DOC),
         "--url", gate.url,
         "--checks", "all",
         "--max-examples", str(MAX_EXAMPLES),
