@@ -14,6 +14,8 @@
 #     (sampled every 50 ms);
 #   - the same relay over the `memory:` store (no fsync): what the gate costs without the disk.
 # Then the disk's own ceiling: fdatasync/s of a 4 KiB write loop in the same directory.
+# The CPU each loop and the broker spent (user + system, from /proc and GNU time) per 1,000
+# records shows where the cores went: the three share the machine's cores with the broker.
 # The consumer group's join (slow on tansu: about half the session timeout) is outside both
 # timings. Prints a markdown table and the median ratio relay/plain.
 # Usage: scripts/bench-relay.sh [N] [PARTITIONS] [ROUNDS]
@@ -39,6 +41,9 @@ cleanup() {
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 now() { date +%s.%N; }
+TICK=$(getconf CLK_TCK)
+cpu_ms() { awk -v t="$TICK" '{ sub(/^.*\) /, ""); printf "%.0f\n", ($12 + $13) * 1000 / t }' "/proc/$1/stat"; }
+per_k() { python3 -c "print('%.0f' % ($1 * 1000 / $N))"; } # CPU ms per 1,000 records
 
 port=$(free_port)
 B="127.0.0.1:$port"
@@ -47,15 +52,20 @@ B="127.0.0.1:$port"
 BROKER=$!
 for _ in $(seq 1 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
 
-run_plain() { # $1 round
+run_plain() { # $1 round; prints: records/s, its CPU ms and the broker's per 1,000 records
+  local b0 rate
   "$BENCH" produce "$B" "out-plain-$1" 0 "$PARTS" >/dev/null
-  "$BENCH" plain "$B" "in-$1" "out-plain-$1" "plain-$1" "$N" | sed -n 's/^PLAIN //p' |
-    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.0f" % (d["records"]/d["seconds"]))'
+  b0=$(cpu_ms "$BROKER")
+  rate=$(/usr/bin/time -f '%U %S' -o "$WORK/plain-$1.time" \
+    "$BENCH" plain "$B" "in-$1" "out-plain-$1" "plain-$1" "$N" | sed -n 's/^PLAIN //p' |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.0f" % (d["records"]/d["seconds"]))')
+  echo "$rate $(per_k "$(awk '{ printf "%.0f", ($1 + $2) * 1000 }' "$WORK/plain-$1.time")") $(per_k $(( $(cpu_ms "$BROKER") - b0 )))"
 }
 
-run_relay() { # $1 round, $2 label, $3 STORE
-  local mport first="" t_first="" t_end="" f0=0 f
+run_relay() { # $1 round, $2 label, $3 STORE; prints: records/s, its CPU ms and the broker's per 1,000 records
+  local mport first="" t_first="" t_end="" f0=0 f b0 cpu
   "$BENCH" produce "$B" "out-$2-$1" 0 "$PARTS" >/dev/null
+  b0=$(cpu_ms "$BROKER")
   mport=$(free_port)
   "$BIN" relay --from "kafka://$B/in-$1?group=$2-$1" --to "kafka://$B/out-$2-$1" \
     --store "$3" --metrics-listen "127.0.0.1:$mport" 2>"$WORK/$2-$1.log" &
@@ -67,8 +77,9 @@ run_relay() { # $1 round, $2 label, $3 STORE
     kill -0 "$RELAY" 2>/dev/null || { cat "$WORK/$2-$1.log" >&2; exit 1; }
     sleep 0.05
   done
+  cpu=$(cpu_ms "$RELAY")
   kill -TERM "$RELAY"; wait "$RELAY" || true; RELAY=
-  python3 -c "print('%.0f' % (($N - $f0) / ($t_end - $t_first)))"
+  echo "$(python3 -c "print('%.0f' % (($N - $f0) / ($t_end - $t_first)))") $(per_k "$cpu") $(per_k $(( $(cpu_ms "$BROKER") - b0 )))"
 }
 
 # The ceiling the disk sets: 4 KiB write + fdatasync in a loop for 2 s, in the directory the
@@ -87,19 +98,29 @@ PY
 
 echo "| round | plain records/s | relay, embedded store | relay, memory: store | relay/plain | memory relay/plain |"
 echo "|---|---|---|---|---|---|"
-ratios=() mratios=()
+ratios=() mratios=() cpu_rows=()
 for r in $(seq 1 "$ROUNDS"); do
   "$BENCH" produce "$B" "in-$r" "$N" "$PARTS" >/dev/null
   if (( r % 2 )); then
-    p=$(run_plain "$r"); g=$(run_relay "$r" relay "$WORK/store-$r"); m=$(run_relay "$r" relaymem memory:)
+    out=$(run_plain "$r"); read -r p pc pb <<<"$out"; out=$(run_relay "$r" relay "$WORK/store-$r"); read -r g gc gb <<<"$out"
+    out=$(run_relay "$r" relaymem memory:); read -r m mc mb <<<"$out"
   else
-    m=$(run_relay "$r" relaymem memory:); g=$(run_relay "$r" relay "$WORK/store-$r"); p=$(run_plain "$r")
+    out=$(run_relay "$r" relaymem memory:); read -r m mc mb <<<"$out"; out=$(run_relay "$r" relay "$WORK/store-$r"); read -r g gc gb <<<"$out"
+    out=$(run_plain "$r"); read -r p pc pb <<<"$out"
   fi
   ratio=$(python3 -c "print('%.3f' % ($g / $p))")
   mratio=$(python3 -c "print('%.3f' % ($m / $p))")
   ratios+=("$ratio") mratios+=("$mratio")
+  cpu_rows+=("| $r | $pc / $pb | $gc / $gb | $mc / $mb |")
   echo "| $r | $p | $g | $m | $ratio | $mratio |"
 done
+echo
+echo "CPU ms per 1,000 records (the loop / the broker during it):"
+echo
+echo "| round | plain | relay, embedded store | relay, memory: store |"
+echo "|---|---|---|---|"
+printf '%s\n' "${cpu_rows[@]}"
+echo
 python3 -c "import statistics,sys; print('median relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${ratios[@]}"
 python3 -c "import statistics,sys; print('median memory relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${mratios[@]}"
 echo "disk: $(fsync_rate) fdatasync/s (4 KiB write + fdatasync loop, in $WORK)"
