@@ -23,12 +23,12 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::kafka::{self as broker, Broker};
-use common::workload;
+use common::workload::{self, assert_nothing_lost, seed, KilledOnDrop};
 use dedupgate_consumers::kafka::{KafkaConfig, KafkaConsumer};
 use dedupgate_consumers::{ConsumerGate, Message};
 use dedupgate_core::{Gate, Mode};
@@ -171,23 +171,14 @@ fn child() {
 
 /// A consumer process, killed on drop; `assigned` says when it first got partitions.
 struct Process {
-    child: Child,
+    child: KilledOnDrop,
     assigned: mpsc::Receiver<()>,
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Process {
     /// SIGTERM, and its exit code (0: it settled what was in hand and committed).
-    fn terminate(mut self) -> Option<i32> {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-        self.child.wait().expect("wait for the consumer").code()
+    fn terminate(self) -> Option<i32> {
+        self.child.terminate()
     }
 
     fn wait_assigned(&self, scene: &Scene) {
@@ -256,7 +247,10 @@ impl Scene {
                 }
             }
         });
-        Process { child, assigned }
+        Process {
+            child: KilledOnDrop(child),
+            assigned,
+        }
     }
 
     fn log(&self) -> String {
@@ -329,16 +323,6 @@ impl Scene {
     }
 }
 
-/// The seed: `DEDUPGATE_KILL_SEED` to replay a run, else a fresh one; printed either way.
-fn seed() -> u64 {
-    let seed = std::env::var("DEDUPGATE_KILL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("kafka_kill: seed {seed} (DEDUPGATE_KILL_SEED={seed} replays it)");
-    seed
-}
-
 /// Starts the broker, the topic, and the paced production of the workload; the production's
 /// task answers each partition's end.
 fn begin(
@@ -367,32 +351,12 @@ fn begin(
     Some((scene, work.distinct, producing))
 }
 
-fn assert_nothing_lost(
-    scene: &Scene,
-    counts: &BTreeMap<String, usize>,
-    distinct: &BTreeSet<String>,
-) {
-    let lost: Vec<&String> = distinct
-        .iter()
-        .filter(|k| !counts.contains_key(*k))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "{} keys lost, such as {:?}:\n{}",
-        lost.len(),
-        &lost[..lost.len().min(5)],
-        scene.log()
-    );
-    let foreign: Vec<&String> = counts.keys().filter(|k| !distinct.contains(*k)).collect();
-    assert!(foreign.is_empty(), "lines never produced: {foreign:?}");
-}
-
 /// A then B in one group, B leaving with SIGTERM: two rebalances, no kill. Each revoke leaves
 /// the records in hand to the next holder, which finds their keys completed or waits for them
 /// (the gate renews a running handler's lease): every key runs exactly once.
 fn rebalance_only() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let seed = seed();
+    let seed = seed("kafka_kill");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let Some((scene, distinct, producing)) = begin(&runtime, seed) else {
         return;
@@ -411,7 +375,7 @@ fn rebalance_only() {
     assert_eq!(a.terminate(), Some(0), "A's exit:\n{}", scene.log());
     let counts = scene.counts();
     scene.drop_schema(&runtime);
-    assert_nothing_lost(&scene, &counts, &distinct);
+    assert_nothing_lost(&counts, &distinct, || scene.log());
     let twice: Vec<(&String, &usize)> = counts.iter().filter(|(_, c)| **c > 1).collect();
     assert!(
         twice.is_empty(),
@@ -427,7 +391,7 @@ fn rebalance_only() {
 /// `IN_FLIGHT` extra lines for the one kill.
 fn kill_mid_stream() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let seed = seed();
+    let seed = seed("kafka_kill");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let Some((scene, distinct, producing)) = begin(&runtime, seed) else {
         return;
@@ -453,7 +417,7 @@ fn kill_mid_stream() {
     assert_eq!(b.terminate(), Some(0), "B's exit:\n{}", scene.log());
     let counts = scene.counts();
     scene.drop_schema(&runtime);
-    assert_nothing_lost(&scene, &counts, &distinct);
+    assert_nothing_lost(&counts, &distinct, || scene.log());
     let again: usize = counts.values().map(|c| c - 1).sum();
     eprintln!(
         "kafka_kill: {} keys, {again} ran again after the kill (bound {IN_FLIGHT})",

@@ -18,6 +18,9 @@
 #[path = "../../dedupgate-consumers/tests/common/kafka.rs"]
 mod kafka;
 #[allow(dead_code)]
+#[path = "../../dedupgate-consumers/tests/common/names.rs"]
+mod names;
+#[allow(dead_code)]
 #[path = "../../dedupgate-consumers/tests/common/workload.rs"]
 mod workload;
 
@@ -25,14 +28,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use dedupgate_consumers::kafka::rdkafka::message::Message as _;
 use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
+use names::unique;
 use rand::{Rng, SeedableRng};
+use workload::{assert_nothing_lost, seed, KilledOnDrop};
 
 /// Records produced, and the percentage of them that are copies.
 const M: usize = 2_000;
@@ -54,15 +59,8 @@ const ASSIGNED: &str = "partitions assigned";
 
 /// A relay process, killed on drop; its stderr goes to a log the test prints when it fails.
 struct Relay {
-    child: Child,
+    child: KilledOnDrop,
     metrics_port: u16,
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Where every run of one test writes: the store, the relay's log.
@@ -100,7 +98,7 @@ impl Scene {
             .spawn()
             .expect("start dedupgate relay");
         Relay {
-            child,
+            child: KilledOnDrop(child),
             metrics_port,
         }
     }
@@ -150,7 +148,7 @@ impl Relay {
     fn wait_for(&mut self, scene: &Scene, noun: &str, n: u64) {
         let deadline = Instant::now() + JOIN_DEADLINE;
         while self.counter(noun) < n {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            if let Ok(Some(status)) = self.child.0.try_wait() {
                 panic!("the relay exited ({status}):\n{}", scene.log());
             }
             assert!(
@@ -163,29 +161,9 @@ impl Relay {
     }
 
     /// SIGTERM, and its exit code (0: it settled what was in hand and committed).
-    fn terminate(mut self) -> Option<i32> {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-        self.child.wait().expect("wait for the relay").code()
+    fn terminate(self) -> Option<i32> {
+        self.child.terminate()
     }
-}
-
-/// The seed: `DEDUPGATE_KILL_SEED` to replay a run, else a fresh one; printed either way.
-fn seed() -> u64 {
-    let seed = std::env::var("DEDUPGATE_KILL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    eprintln!("relay_sigkill: seed {seed} (DEDUPGATE_KILL_SEED={seed} replays it)");
-    seed
-}
-
-fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    )
 }
 
 /// What a run did: how many kills, and the workload's distinct keys.
@@ -202,7 +180,7 @@ struct Run {
 /// run's claims until their lease ends, or new ones). Then lets a last run commit the whole stream and stops it
 /// with SIGTERM (exit 0).
 fn relay_under_kills(broker: &kafka::Broker, scene: &Scene, source: &str, group: &str) -> Run {
-    let seed = seed();
+    let seed = seed("relay_sigkill");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let work = workload::build(seed, M, D_PERCENT, PARTITIONS);
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -277,30 +255,6 @@ fn seen(counts: &BTreeMap<String, usize>, n: impl Fn(usize) -> bool) -> Vec<&Str
         .filter(|(_, c)| n(**c))
         .map(|(k, _)| k)
         .collect()
-}
-
-/// Every distinct key at the sink, and nothing else.
-fn assert_nothing_lost(
-    counts: &BTreeMap<String, usize>,
-    distinct: &BTreeSet<String>,
-    scene: &Scene,
-) {
-    let lost: Vec<&String> = distinct
-        .iter()
-        .filter(|k| !counts.contains_key(*k))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "{} keys lost, such as {:?}; the relay's log:\n{}",
-        lost.len(),
-        &lost[..lost.len().min(5)],
-        scene.log()
-    );
-    let foreign = seen(counts, |_| true)
-        .into_iter()
-        .filter(|k| !distinct.contains(*k))
-        .count();
-    assert_eq!(foreign, 0, "keys at the sink that were never produced");
 }
 
 fn scene(dir: &Path, broker: &kafka::Broker, source: &str, group: &str, to: String) -> Scene {
@@ -408,10 +362,10 @@ fn relay_killed_at_random_kafka_to_jetstream_holds_each_key_exactly_once() {
         counts
     });
 
-    assert_nothing_lost(&stored, &run.distinct, &scene);
+    assert_nothing_lost(&stored, &run.distinct, || scene.log());
     let twice = seen(&stored, |c| c > 1);
     assert!(twice.is_empty(), "keys stored twice: {twice:?}");
-    assert_nothing_lost(&publishes, &run.distinct, &scene);
+    assert_nothing_lost(&publishes, &run.distinct, || scene.log());
     let again: usize = publishes.values().map(|c| c - 1).sum();
     let bound = run.kills * usize::from(dedupgate_relay::IN_FLIGHT);
     eprintln!(
@@ -505,7 +459,7 @@ fn relay_killed_at_random_kafka_to_kafka_loses_nothing_and_duplicates_only_what_
     let run = relay_under_kills(&broker, &scene, &source, &group);
     let counts = read_topic(&broker.bootstrap, &sink, PARTITIONS);
 
-    assert_nothing_lost(&counts, &run.distinct, &scene);
+    assert_nothing_lost(&counts, &run.distinct, || scene.log());
     let again: usize = counts.values().map(|c| c - 1).sum();
     let bound = run.kills * usize::from(dedupgate_relay::IN_FLIGHT);
     eprintln!(

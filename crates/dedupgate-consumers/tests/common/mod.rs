@@ -7,6 +7,7 @@
 pub mod amqp;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+mod names;
 #[cfg(feature = "kafka")]
 pub mod workload;
 
@@ -22,14 +23,7 @@ use dedupgate_embedded::{EmbeddedOptions, EmbeddedStore};
 use futures::{Stream, StreamExt};
 use tokio::sync::watch;
 
-/// A unique name per test run: `prefix-<pid>-<random>`.
-pub fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}-{}-{:08x}",
-        std::process::id(),
-        rand::random::<u32>()
-    )
-}
+pub use names::unique;
 
 /// The failure delays of the tests' gates: 20 ms, doubling, capped at 60 ms.
 pub const FAILURE_RETRY_INITIAL: Duration = Duration::from_millis(20);

@@ -6,12 +6,69 @@
 //! the key as Kafka key and `idempotency-key` header; the payload is a function of the key, so
 //! a copy matches its key's fingerprint.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Child;
 use std::time::Duration;
 
 use dedupgate_consumers::kafka::rdkafka::message::{Header, OwnedHeaders};
 use dedupgate_consumers::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use rand::{Rng, SeedableRng};
+
+/// The seed: `DEDUPGATE_KILL_SEED` to replay a run, else a fresh one; printed either way,
+/// after `test`'s name.
+pub fn seed(test: &str) -> u64 {
+    let seed = std::env::var("DEDUPGATE_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("{test}: seed {seed} (DEDUPGATE_KILL_SEED={seed} replays it)");
+    seed
+}
+
+/// Every distinct key at the sink (`counts`: each key's copies there), and nothing else;
+/// `log` gives what the processes logged, for the message.
+pub fn assert_nothing_lost(
+    counts: &BTreeMap<String, usize>,
+    distinct: &BTreeSet<String>,
+    log: impl Fn() -> String,
+) {
+    let lost: Vec<&String> = distinct
+        .iter()
+        .filter(|k| !counts.contains_key(*k))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} keys lost, such as {:?}; the log:\n{}",
+        lost.len(),
+        &lost[..lost.len().min(5)],
+        log()
+    );
+    let foreign: Vec<&String> = counts.keys().filter(|k| !distinct.contains(*k)).collect();
+    assert!(
+        foreign.is_empty(),
+        "keys at the sink that were never produced: {foreign:?}"
+    );
+}
+
+/// A child process the test stops: killed (SIGKILL) on drop, so a failing test leaves none
+/// behind; [`Self::terminate`] stops it the graceful way instead.
+pub struct KilledOnDrop(pub Child);
+
+impl KilledOnDrop {
+    /// SIGTERM, and its exit code (0: it settled what was in hand and committed).
+    pub fn terminate(mut self) -> Option<i32> {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+        self.0.wait().expect("wait for the process").code()
+    }
+}
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 
 /// One record to produce.
 #[derive(Clone, Debug)]
