@@ -87,20 +87,9 @@ fn spawn(
 
 /// Waits until the group's committed offsets are each partition's end.
 async fn wait_committed(broker: &Broker, group: &str, topic: &str, ends: &[i64], runs: &Runs) {
-    let want: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
-    let started = Instant::now();
-    loop {
-        let committed = broker.committed(group, topic, ends.len() as i32);
-        if committed == want {
-            return;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "committed {committed:?}, want {want:?}; runs: {:?}",
-            runs.snapshot()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    broker::wait_committed(&broker.bootstrap, group, topic, ends, DEADLINE)
+        .await
+        .unwrap_or_else(|e| panic!("{e}; runs: {:?}", runs.snapshot()));
 }
 
 /// `distinct` keys, and `total` records over them: each key once, then duplicates of random

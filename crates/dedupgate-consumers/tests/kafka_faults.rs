@@ -32,20 +32,9 @@ fn config(bootstrap: &str, group: &str, topic: &str) -> KafkaConfig {
 }
 
 async fn wait_committed(bootstrap: &str, group: &str, topic: &str, ends: &[i64], runs: &Runs) {
-    let want: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
-    let started = Instant::now();
-    loop {
-        let committed = broker::committed(bootstrap, group, topic, ends.len() as i32);
-        if committed == want {
-            return;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "committed {committed:?}, want {want:?}; runs: {:?}",
-            runs.lock().unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    broker::wait_committed(bootstrap, group, topic, ends, DEADLINE)
+        .await
+        .unwrap_or_else(|e| panic!("{e}; runs: {:?}", runs.lock().unwrap()));
 }
 
 /// The last record's handler waits for `released`, so the test can inject the fault just

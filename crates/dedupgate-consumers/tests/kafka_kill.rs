@@ -277,24 +277,16 @@ impl Scene {
     }
 
     /// Waits until the group's committed offsets reach `ends`.
-    fn wait_committed(&self, ends: &[i64]) {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let committed = self.broker.committed(&self.group, &self.topic, PARTITIONS);
-            if committed
-                .iter()
-                .zip(ends)
-                .all(|(c, end)| c.is_some_and(|c| c >= *end))
-            {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "committed {committed:?} did not reach {ends:?}:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+    fn wait_committed(&self, runtime: &tokio::runtime::Runtime, ends: &[i64]) {
+        runtime
+            .block_on(broker::wait_committed(
+                &self.broker.bootstrap,
+                &self.group,
+                &self.topic,
+                ends,
+                DEADLINE,
+            ))
+            .unwrap_or_else(|e| panic!("{e}:\n{}", self.log()));
     }
 
     /// Each key's lines in the sink.
@@ -371,7 +363,7 @@ fn rebalance_only() {
     eprintln!("kafka_kill: B leaves at {} lines", scene.sink_lines());
     assert_eq!(b.terminate(), Some(0), "B's exit:\n{}", scene.log());
     let ends = runtime.block_on(producing).unwrap();
-    scene.wait_committed(&ends);
+    scene.wait_committed(&runtime, &ends);
     assert_eq!(a.terminate(), Some(0), "A's exit:\n{}", scene.log());
     let counts = scene.counts();
     scene.drop_schema(&runtime);
@@ -412,7 +404,7 @@ fn kill_mid_stream() {
     drop(a);
     let a = scene.start("a2");
     let ends = runtime.block_on(producing).unwrap();
-    scene.wait_committed(&ends);
+    scene.wait_committed(&runtime, &ends);
     assert_eq!(a.terminate(), Some(0), "A's exit:\n{}", scene.log());
     assert_eq!(b.terminate(), Some(0), "B's exit:\n{}", scene.log());
     let counts = scene.counts();

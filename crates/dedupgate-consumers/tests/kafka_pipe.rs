@@ -196,22 +196,6 @@ async fn read_outputs(
     }
 }
 
-async fn wait_committed(bootstrap: &str, group: &str, topic: &str, ends: &[i64]) {
-    let want: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
-    let started = Instant::now();
-    loop {
-        let committed = broker::committed(bootstrap, group, topic, ends.len() as i32);
-        if committed == want {
-            return;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "committed {committed:?}, want {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// The pipe's handler for the tests: one output per record, stamped with its run; on the run
 /// numbered `oversize_run` (once), an output too large to produce, which aborts the batch.
 fn handler(
@@ -319,7 +303,9 @@ async fn duplicates_come_out_once_and_the_offsets_commit_with_the_outputs() {
     let pipe = TransactionalPipe::new(gate, config).unwrap();
     let runs = Arc::new(Runs::default());
     let (stop, task) = spawn(pipe, handler(runs.clone(), output.clone(), None));
-    wait_committed(&broker.bootstrap, &group, &input, &ends).await;
+    broker::wait_committed(&broker.bootstrap, &group, &input, &ends, DEADLINE)
+        .await
+        .unwrap();
     stop.send(true).unwrap();
     let stats = task.await.unwrap().expect("pipe run");
     println!("{stats:?}");
@@ -369,7 +355,9 @@ async fn a_transaction_aborted_mid_batch_releases_its_claims_and_runs_again() {
     let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
     let runs = Arc::new(Runs::default());
     let (stop, task) = spawn(pipe, handler(runs.clone(), output.clone(), Some(30)));
-    wait_committed(&broker.bootstrap, &group, &input, &ends).await;
+    broker::wait_committed(&broker.bootstrap, &group, &input, &ends, DEADLINE)
+        .await
+        .unwrap();
     stop.send(true).unwrap();
     let stats = task.await.unwrap().expect("pipe run");
     println!("{stats:?}");
@@ -594,7 +582,9 @@ async fn a_revoke_aborts_the_open_transaction_and_releases_its_claims() {
     );
     let second = TransactionalPipe::new(gate.clone(), config()).unwrap();
     let (stop_second, second_task) = spawn(second, handler(runs.clone(), output.clone(), None));
-    wait_committed(&broker.bootstrap, &group, &input, &ends).await;
+    broker::wait_committed(&broker.bootstrap, &group, &input, &ends, DEADLINE)
+        .await
+        .unwrap();
     stop_first.send(true).unwrap();
     stop_second.send(true).unwrap();
     let first_stats = first_task.await.unwrap().expect("first pipe");

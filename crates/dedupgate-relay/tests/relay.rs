@@ -27,6 +27,9 @@ use tokio::task::JoinHandle;
 /// Messages published per test, and how many of them copy an earlier key (25%).
 const M: usize = 200;
 const D: usize = 50;
+/// How long a Kafka test waits for the source's offsets to be committed to the end (they are
+/// committed every 500 ms once settled; a guard against a hang).
+const COMMIT_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The key of message `i`: the first M − D are distinct, the rest repeat earlier ones.
 fn key_of(i: usize) -> String {
@@ -202,30 +205,13 @@ async fn kafka_to_file_forwards_each_key_once_commits_the_source_and_dead_letter
     )
     .await;
     // Offsets are committed every 500 ms once settled: wait for them to reach the ends.
-    let bootstrap = broker.bootstrap.clone();
-    let expected_ends: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
-    let committed = tokio::task::spawn_blocking({
-        let group = group.clone();
-        move || {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let c = kafka::committed(&bootstrap, &group, topic, 2);
-                if c == expected_ends || Instant::now() > deadline {
-                    return c;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let committed =
+        kafka::wait_committed(&broker.bootstrap, &group, topic, &ends, COMMIT_DEADLINE).await;
     let metrics = relay.stop().await;
     assert_each_key_once(&file_keys(&out));
-    assert_eq!(
-        committed,
-        ends.iter().map(|e| Some(*e)).collect::<Vec<_>>(),
-        "source offsets committed to the end"
-    );
+    if let Err(e) = committed {
+        panic!("source offsets committed to the end: {e}");
+    }
     let m = metrics.route("orders").unwrap();
     let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(get(&m.forwarded), (M - D) as u64);
@@ -275,23 +261,8 @@ async fn kafka_to_kafka_forwards_each_key_once_keyed_and_headed_by_the_gate_key(
     })
     .await
     .unwrap();
-    let committed = tokio::task::spawn_blocking({
-        let bootstrap = broker.bootstrap.clone();
-        let expected: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
-        let group = group.clone();
-        move || {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let c = kafka::committed(&bootstrap, &group, topic, 2);
-                if c == expected || Instant::now() > deadline {
-                    return c;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
-    })
-    .await
-    .unwrap();
+    let committed =
+        kafka::wait_committed(&broker.bootstrap, &group, topic, &ends, COMMIT_DEADLINE).await;
     let metrics = relay.stop().await;
     let mut keys = BTreeMap::new();
     for (header, key, _) in &read {
@@ -302,7 +273,9 @@ async fn kafka_to_kafka_forwards_each_key_once_keyed_and_headed_by_the_gate_key(
         *keys.entry(header.clone()).or_insert(0) += 1;
     }
     assert_each_key_once(&keys);
-    assert_eq!(committed, ends.iter().map(|e| Some(*e)).collect::<Vec<_>>());
+    if let Err(e) = committed {
+        panic!("{e}");
+    }
     // The keyless record has no "id" field: the template cannot render, and with no
     // dead-letter topic it is logged and counted, not forwarded.
     let m = metrics.route("events").unwrap();

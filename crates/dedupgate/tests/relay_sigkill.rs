@@ -217,23 +217,15 @@ fn relay_under_kills(broker: &kafka::Broker, scene: &Scene, source: &str, group:
     let ends = runtime
         .block_on(producing)
         .expect("the producer task finished");
-    let deadline = Instant::now() + END_DEADLINE;
-    loop {
-        let committed = broker.committed(group, source, PARTITIONS);
-        if committed
-            .iter()
-            .zip(&ends)
-            .all(|(c, end)| c.is_some_and(|c| c >= *end))
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "committed {committed:?} did not reach the ends {ends:?} within {END_DEADLINE:?}:\n{}",
-            scene.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    runtime
+        .block_on(kafka::wait_committed(
+            &broker.bootstrap,
+            group,
+            source,
+            &ends,
+            END_DEADLINE,
+        ))
+        .unwrap_or_else(|e| panic!("{e}:\n{}", scene.log()));
     eprintln!(
         "relay_sigkill: the stream was committed at {:?}",
         started.elapsed()

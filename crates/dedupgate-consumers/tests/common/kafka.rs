@@ -189,6 +189,39 @@ pub fn committed(bootstrap: &str, group: &str, topic: &str, partitions: i32) -> 
         .collect()
 }
 
+/// Waits until `group`'s committed offsets of `topic` are each partition's end in `ends`
+/// (polling from a blocking task, since the offset reader blocks); at `deadline` answers what
+/// it last read against what it wanted, for the caller's assertion.
+pub async fn wait_committed(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+    ends: &[i64],
+    deadline: Duration,
+) -> Result<(), String> {
+    let want: Vec<Option<i64>> = ends.iter().map(|e| Some(*e)).collect();
+    let started = Instant::now();
+    loop {
+        let committed = tokio::task::spawn_blocking({
+            let (bootstrap, group, topic) =
+                (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
+            let partitions = ends.len() as i32;
+            move || committed(&bootstrap, &group, &topic, partitions)
+        })
+        .await
+        .expect("the offset reader's task");
+        if committed == want {
+            return Ok(());
+        }
+        if started.elapsed() >= deadline {
+            return Err(format!(
+                "committed {committed:?}, want {want:?} (after {deadline:?})"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Produces one record per `(partition, key header, payload)` and returns each partition's end
 /// (one past its last record's offset), as the broker acknowledged them.
 pub async fn produce(
