@@ -15,7 +15,8 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::{
-    Attempt, FailureRetry, Handled, KeySource, Message, Rejection, IN_PROGRESS_RETRY_FLOOR,
+    Attempt, FailureRetry, Handled, KeySource, Message, Permanence, Rejection,
+    IN_PROGRESS_RETRY_FLOOR,
 };
 
 /// A [`Gate`] set up for one consumer group: namespace, ordering, key source and retry delays.
@@ -80,7 +81,7 @@ impl ConsumerGate {
         H: FnOnce(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         T: Serialize,
-        E: fmt::Display,
+        E: fmt::Display + Permanence,
     {
         let key = self.key_for(message_id, id_field, payload);
         self.process_key(key, payload, attempt, handler).await
@@ -101,7 +102,7 @@ impl ConsumerGate {
         H: FnOnce(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
         T: Serialize,
-        E: fmt::Display,
+        E: fmt::Display + Permanence,
     {
         let key = match key {
             Ok(key) => key,
@@ -170,9 +171,9 @@ impl ConsumerGate {
         }
     }
 
-    /// A failed handler: retried after the failure delay, or (idempotent mode, or the last
-    /// attempt allowed) rejected.
-    fn failed<T, E>(
+    /// A failed handler: retried after the failure delay, or (idempotent mode, the last
+    /// attempt allowed, or an error that would come back alike) rejected.
+    fn failed<T, E: Permanence>(
         &self,
         key: String,
         error: E,
@@ -180,8 +181,10 @@ impl ConsumerGate {
         attempt: Option<u32>,
     ) -> Handled<T, E> {
         let policy = &self.failure_retry;
+        let permanent = error.is_permanent();
         let retry_after = match self.mode {
             Mode::Idempotent => None,
+            Mode::Retriable if permanent => None,
             Mode::Retriable if policy.gives_up(attempt) => None,
             Mode::Retriable => Some(policy.jittered_delay(attempt)),
         };
@@ -192,6 +195,7 @@ impl ConsumerGate {
             attempt,
             retry_after,
             unreleased,
+            permanent,
         }
     }
 
@@ -322,6 +326,35 @@ mod tests {
             .process(Some("o-2"), "id", b"{}", Attempt::FIRST, fail)
             .await;
         assert_eq!(handled.action(), Action::Reject);
+    }
+
+    /// An error that says it would fail alike every time ([`Permanence`]) is rejected on its
+    /// first delivery in retriable mode, the claim released, whatever `max_attempts` allows.
+    #[tokio::test]
+    async fn a_permanent_failure_is_rejected_at_once_with_the_claim_released() {
+        struct Refused;
+        impl fmt::Display for Refused {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("cannot carry it")
+            }
+        }
+        impl Permanence for Refused {
+            fn is_permanent(&self) -> bool {
+                true
+            }
+        }
+        let gate = consumer();
+        let handled = gate
+            .process(Some("o-1"), "id", b"{}", Attempt::FIRST, |_msg| async {
+                Err::<(), _>(Refused)
+            })
+            .await;
+        assert_eq!(handled.action(), Action::Reject, "{handled}");
+        assert!(
+            handled.to_string().contains("would fail alike every time"),
+            "{handled}"
+        );
+        assert_eq!(gate.gate().get("orders", "o-1").await.unwrap(), None);
     }
 
     /// A template's key says which payloads are one event: events it maps to one key are

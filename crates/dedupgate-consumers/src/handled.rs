@@ -103,8 +103,9 @@ pub enum Handled<T, E> {
         holder: Option<String>,
     },
     /// The handler failed. Retriable: the claim was released and the message is retried after
-    /// `retry_after`, or, on delivery `max_attempts`, rejected without requeue. Idempotent: the
-    /// key stays marked and the message is rejected, never retried.
+    /// `retry_after`, or, on delivery `max_attempts` or when the error is permanent
+    /// ([`Permanence`](crate::Permanence)), rejected without requeue. Idempotent: the key stays
+    /// marked and the message is rejected, never retried.
     Failed {
         /// The key.
         key: String,
@@ -120,6 +121,8 @@ pub enum Handled<T, E> {
         /// Retriable mode: why the claim could not be released, when it could not (it is then
         /// held until its lease runs out).
         unreleased: Option<GateError>,
+        /// The error said it would come back alike on every retry: rejected at once.
+        permanent: bool,
     },
     /// The handler ran but the gate could not record its completion (the store stayed down
     /// while the gate asked again, or the lease was lost). The message is acked: the work is
@@ -156,6 +159,9 @@ impl<T, E> Handled<T, E> {
                 after: *retry_after,
                 failure: false,
             },
+            Handled::Failed {
+                permanent: true, ..
+            } => Action::Reject,
             Handled::Failed {
                 retry_after: Some(after),
                 ..
@@ -229,6 +235,7 @@ impl<T, E: fmt::Display> fmt::Display for Handled<T, E> {
                 attempt,
                 retry_after,
                 unreleased,
+                permanent,
             } => {
                 let delivery = match attempt {
                     Some(n) => format!("delivery {n}"),
@@ -239,6 +246,10 @@ impl<T, E: fmt::Display> fmt::Display for Handled<T, E> {
                     Some(e) => format!("not released ({e}), held until its lease runs out"),
                 };
                 match (mode, retry_after) {
+                    (Mode::Retriable, _) if *permanent => write!(
+                        f,
+                        "{key}: handler failed (retriable, {delivery}, would fail alike every time): {released}, rejected without requeue: {error}"
+                    ),
                     (Mode::Idempotent, _) => write!(
                         f,
                         "{key}: handler failed (idempotent, {delivery}): rejected, never retried: {error}"

@@ -12,6 +12,8 @@
 //! - [`Handled`]: what happened (ran, duplicate, in progress elsewhere, failed, rejected, gate
 //!   unavailable) and [`Handled::action`], the one [`Action`] the broker must take: ack, retry
 //!   after a delay, or reject without requeue.
+//! - [`Permanence`]: every handler error says whether retrying could help; a permanent failure
+//!   is rejected at once instead of retried.
 //! - [`rabbitmq`] (feature `rabbitmq`, lapin): [`rabbitmq::handle`] processes one
 //!   [`lapin::message::Delivery`] and acks, nacks with requeue or rejects it; the key is the AMQP
 //!   `message_id` property.
@@ -34,6 +36,7 @@
 //! | duplicate of a key another consumer holds | retry after the in-progress delay (at most the holder's remaining lease, but not under 100 ms) |
 //! | retriable handler failed | the claim is released; retry after the failure delay (below), as a failure (AMQP: reject with requeue, which a quorum queue counts; JetStream: nak with the delay) |
 //! | retriable handler failed on delivery `max_attempts` (when set, and the broker counts deliveries) | the claim is released; reject without requeue (dead-letter / term), logged with the error |
+//! | retriable handler failed with an error that would fail alike every time ([`Permanence`]: a sink that cannot carry the message) | the claim is released; reject without requeue at once, logged with the error |
 //! | idempotent handler failed | reject without requeue (dead-letter / term): never retried |
 //! | no usable key, or the key was seen with another payload | reject without requeue, logged with the reason |
 //! | the gate could not decide (the handler did not run) | retry after the unavailable delay; never ack |
@@ -85,6 +88,7 @@ pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod options;
+mod permanence;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 mod unsettled;
@@ -97,4 +101,5 @@ pub use options::{
     FAILURE_RETRY_MAX_DEFAULT, IN_PROGRESS_RETRY_DEFAULT, IN_PROGRESS_RETRY_FLOOR,
     UNAVAILABLE_RETRY_DEFAULT, WORKER_BYTES_MAX,
 };
+pub use permanence::Permanence;
 pub use unsettled::Unsettled;

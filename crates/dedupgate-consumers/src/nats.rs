@@ -79,7 +79,7 @@ where
     H: FnOnce(Message) -> Fut,
     Fut: Future<Output = Result<T, E>>,
     T: Serialize,
-    E: fmt::Display,
+    E: fmt::Display + crate::Permanence,
 {
     handle_with_progress(gate, message, PROGRESS_EVERY, handler).await
 }
@@ -96,7 +96,7 @@ where
     H: FnOnce(Message) -> Fut,
     Fut: Future<Output = Result<T, E>>,
     T: Serialize,
-    E: fmt::Display,
+    E: fmt::Display + crate::Permanence,
 {
     let processing = gate.process(
         message_id(message),

@@ -94,7 +94,7 @@ where
     H: FnOnce(Message) -> Fut,
     Fut: Future<Output = Result<T, E>>,
     T: Serialize,
-    E: fmt::Display,
+    E: fmt::Display + crate::Permanence,
 {
     let message_id = delivery
         .properties

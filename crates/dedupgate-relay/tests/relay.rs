@@ -1146,6 +1146,78 @@ async fn a_key_with_a_line_break_is_dead_lettered_not_injected_into_nats_headers
     assert_eq!(get(&m.forward_failures), 1, "refused once, not retried");
 }
 
+/// The same key with a line break, from a Kafka source: the NATS sink refuses it, and a
+/// refusal would come back alike on every try, so the Kafka consumer rejects the record at
+/// once: dead-lettered to the route's dead-letter topic once, never retried, and the source
+/// committed past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_with_a_line_break_from_kafka_is_dead_lettered_once_not_retried() {
+    let Some(broker) = kafka::start() else { return };
+    let (topic, dlq) = ("crlf-in", "crlf-dead");
+    broker.create_topic(topic, 1).await;
+    broker.create_topic(dlq, 1).await;
+    let (_client, js) = jetstream().await;
+    let sink = unique("relay-kafka-crlf-dst");
+    nats_stream(&js, &sink).await;
+    let payloads: Vec<String> = ["fine-1", "bad\r\nInjected: yes"]
+        .iter()
+        .map(|id| serde_json::json!({ "id": id }).to_string())
+        .collect();
+    let records: Vec<(i32, Option<&str>, &[u8])> =
+        payloads.iter().map(|p| (0, None, p.as_bytes())).collect();
+    let mut ends = Vec::new();
+    kafka::produce(&broker.producer(), topic, 1, &records, &mut ends).await;
+    let group = unique("relay");
+    let port = free_port();
+    let relay = start(
+        RouteConfig {
+            name: Some("kcrlf".into()),
+            from: format!("kafka://{}/{topic}?group={group}", broker.bootstrap),
+            to: format!("{}/{sink}.out", nats_url()),
+            key: Some("{id}".into()),
+            dead_letter: Some(format!("kafka://{}/{dlq}", broker.bootstrap)),
+            ..Default::default()
+        },
+        Some(format!("127.0.0.1:{port}")),
+    );
+    let committed =
+        kafka::wait_committed(&broker.bootstrap, &group, topic, &ends, COMMIT_DEADLINE).await;
+    let metrics = relay.stop().await;
+    let dead = tokio::task::spawn_blocking({
+        let bootstrap = broker.bootstrap.clone();
+        move || read_topic(&bootstrap, dlq, 1, 1)
+    })
+    .await
+    .unwrap();
+    let held = js
+        .get_stream(&sink)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    let _ = js.delete_stream(&sink).await;
+    if let Err(e) = committed {
+        panic!("the source committed past both records: {e}");
+    }
+    assert_eq!(held, 1, "only the fine record reaches the sink");
+    assert_eq!(dead.len(), 1, "the bad one is dead-lettered once");
+    let reason = dead[0]
+        .2
+        .iter()
+        .find(|(n, _)| n == dedupgate_relay::REASON_HEADER)
+        .map(|(_, v)| v.clone())
+        .expect("a reason header");
+    assert!(reason.contains("line break"), "{reason}");
+    let m = metrics.route("kcrlf").unwrap();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(get(&m.forward_failures), 1, "refused once, not retried");
+    assert_eq!(get(&m.retries), 0, "not retried");
+    assert_eq!(get(&m.dead_lettered), 1);
+}
+
 /// A sink slower than the JetStream consumer's ack wait: the relay tells the server the
 /// message is in progress (every third of the ack wait), so it is not delivered again while
 /// the first copy is being forwarded. The sink here is a JetStream publish that the test itself

@@ -234,7 +234,7 @@ impl KafkaConsumer {
         H: Fn(Message) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + Send + 'static,
-        E: fmt::Display + Send + 'static,
+        E: fmt::Display + crate::Permanence + Send + 'static,
         S: Future<Output = ()>,
     {
         let handler = Arc::new(handler);
@@ -371,7 +371,7 @@ where
     H: Fn(Message) -> Fut,
     Fut: Future<Output = Result<T, E>>,
     T: Serialize,
-    E: fmt::Display,
+    E: fmt::Display + crate::Permanence,
 {
     let tp: Tp = (record.topic.clone(), record.partition);
     let counters = &shared.counters;

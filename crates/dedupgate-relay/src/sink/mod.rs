@@ -16,6 +16,7 @@ mod rabbitmq;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use dedupgate_consumers::Permanence;
 
 use crate::route::SinkSpec;
 
@@ -46,7 +47,8 @@ pub enum SinkError {
         reason: String,
     },
     /// The sink cannot carry this message as it is (a NATS header value with a line break):
-    /// sending it again would fail alike, so the relay dead-letters it at once.
+    /// sending it again would fail alike, so it is permanent ([`Permanence`]) and the message is
+    /// dead-lettered at once.
     #[error("sink {sink}: cannot carry this message: {reason}")]
     Refused {
         /// The sink.
@@ -57,6 +59,13 @@ pub enum SinkError {
     /// The sink's kind is not in this build (its cargo feature is off).
     #[error("sink {0}: this build has no support for it (cargo feature off)")]
     NotBuilt(String),
+}
+
+/// Only a refusal: an open or send that failed may pass on a later try.
+impl Permanence for SinkError {
+    fn is_permanent(&self) -> bool {
+        matches!(self, SinkError::Refused { .. })
+    }
 }
 
 /// A destination that confirms what it received.

@@ -3,9 +3,10 @@
 //! consumer), with one handler for all: forward to the sink and wait for its confirmation. The
 //! outcome's [`Action`] (decided there, never here) is then carried out, with additions that
 //! concern the sink, which the gate cannot know (`Forward::settle_action`): a reject goes to
-//! the route's dead-letter sink, with the reason, before the delivery is acked; a forward the
-//! sink refuses outright is rejected at once; and in idempotent mode a marked key whose dead
-//! letter is not confirmed is not acked as a duplicate ([`Unsettled`], the consumers crate's rule).
+//! the route's dead-letter sink, with the reason, before the delivery is acked; and in
+//! idempotent mode a marked key whose dead letter is not confirmed is not acked as a duplicate
+//! ([`Unsettled`], the consumers crate's rule). A forward the sink refuses outright is rejected
+//! at once by the gate itself ([`SinkError`] is a [`Permanence`](dedupgate_consumers::Permanence)).
 //!
 //! One file per broker: `kafka` (a [`KafkaConsumer`](dedupgate_consumers::kafka::KafkaConsumer)
 //! group member), `rabbitmq` (a queue consumer) and `nats` (a JetStream durable pull consumer);
@@ -86,8 +87,6 @@ impl Forward {
     /// except that
     /// - a reject that reached the dead-letter sink becomes an ack, and one that did not becomes
     ///   a retry (nothing is dropped while a dead-letter sink is configured);
-    /// - a forward the sink refused ([`SinkError::Refused`]: it would fail alike every time) is
-    ///   rejected at once instead of retried;
     /// - idempotent mode: a duplicate whose earlier delivery's dead letter was never confirmed
     ///   ([`Unsettled`]) is dead-lettered, not acked; and the same when the store cannot say,
     ///   which is retried.
@@ -101,13 +100,6 @@ impl Forward {
         match (action, handled) {
             (Action::Ack, Handled::Duplicate { key, .. }) => self.duplicate(key, payload).await,
             (Action::Ack, _) => action,
-            (
-                Action::Retry { .. },
-                Handled::Failed {
-                    error: SinkError::Refused { .. },
-                    ..
-                },
-            ) => self.reject(handled, payload).await,
             (Action::Retry { .. }, _) => {
                 RouteMetrics::bump(&self.metrics.retries);
                 action
@@ -154,14 +146,7 @@ impl Forward {
             return Action::Reject;
         }
         let key = handled.key().unwrap_or_default();
-        let reason = match handled {
-            Handled::Failed {
-                key,
-                error: error @ SinkError::Refused { .. },
-                ..
-            } => format!("{key}: forward refused, not retried: {error}"),
-            _ => handled.to_string(),
-        };
+        let reason = handled.to_string();
         // Idempotent mode: the key is marked, so a redelivery would be acked as a duplicate
         // unless the unsettled record says otherwise. It is written first, so a crash before
         // the dead letter is confirmed leaves it too.
