@@ -31,7 +31,7 @@ use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{Consumer, StreamConsumer};
 use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
 use dedupgate_consumers::kafka::rdkafka::mocking::MockCluster;
-use dedupgate_consumers::kafka::rdkafka::producer::FutureProducer;
+use dedupgate_consumers::kafka::rdkafka::producer::{DefaultProducerContext, FutureProducer};
 use dedupgate_consumers::kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
 use dedupgate_consumers::kafka::{
@@ -217,14 +217,18 @@ fn handler(
     }
 }
 
-/// Runs `pipe` in a task until the returned sender says stop.
-fn spawn(
+/// Runs `pipe` in a task until the returned sender says stop (or is dropped).
+fn spawn<H, Fut>(
     pipe: TransactionalPipe,
-    handler: impl Fn(Input) -> std::future::Ready<Result<Vec<Output>, String>> + Send + Sync + 'static,
+    handler: H,
 ) -> (
     watch::Sender<bool>,
     tokio::task::JoinHandle<Result<PipeStats, KafkaError>>,
-) {
+)
+where
+    H: Fn(Input) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Vec<Output>, String>> + Send + 'static,
+{
     let (stop, mut stopped) = watch::channel(false);
     let task = tokio::spawn(async move {
         pipe.run(handler, async move {
@@ -415,26 +419,12 @@ async fn a_transaction_aborted_mid_batch_releases_its_claims_and_runs_again() {
 /// records from coming out twice here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_fenced_pipe_stops_with_an_error_and_releases_its_claims() {
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let bootstrap = cluster.bootstrap_servers();
-    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
-    cluster.create_topic(&input, 1, 1).unwrap();
-    cluster.create_topic(&output, 1, 1).unwrap();
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .create()
-        .unwrap();
     let distinct = 30;
-    let keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
-    let batch: Vec<(i32, Option<&str>, &[u8])> = keys
-        .iter()
-        .map(|k| (0, Some(k.as_str()), &b"{}"[..]))
-        .collect();
-    broker::produce(&producer, &input, 1, &batch, &mut Vec::new()).await;
+    let mock = Mock::start(distinct).await;
+    let (keys, output) = (&mock.keys, &mock.output);
     let transactional_id = unique("tx");
     let config = || {
-        let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
-        PipeConfig::new(source, &transactional_id)
+        PipeConfig::new(mock.source(), &transactional_id)
             .unwrap()
             .batch(5, Duration::from_secs(5))
             .unwrap()
@@ -444,38 +434,13 @@ async fn a_fenced_pipe_stops_with_an_error_and_releases_its_claims() {
     let runs = Arc::new(Runs::default());
     let (release, released) = watch::channel(false);
     let first = TransactionalPipe::new(gate.clone(), config()).unwrap();
-    let first_task = tokio::spawn({
-        let (runs, output) = (runs.clone(), output.clone());
-        async move {
-            let handler = move |input: Input| {
-                let run = runs.start(&input.key);
-                let (output, mut released) = (output.clone(), released.clone());
-                async move {
-                    if input.key == "order-0012" {
-                        let _ = released.wait_for(|r| *r).await;
-                    }
-                    Ok::<_, String>(vec![Output::new(&output, input.record.payload)
-                        .header(RUN_HEADER, run.to_string())])
-                }
-            };
-            first.run(handler, std::future::pending()).await
-        }
-    });
-    let started = Instant::now();
-    while !runs
-        .keys
-        .lock()
-        .unwrap()
-        .values()
-        .any(|k| k == "order-0012")
-    {
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the pipe never reached order-0012"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cluster.request_errors(
+    // Never told to stop: the fence stops it.
+    let (_first_stop, first_task) = spawn(
+        first,
+        latched_handler(runs.clone(), output.clone(), "order-0012", released),
+    );
+    wait_for_run(&runs, "order-0012").await;
+    mock.cluster.request_errors(
         RDKafkaApiKey::EndTxn,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_PRODUCER_FENCED],
     );
@@ -488,14 +453,7 @@ async fn a_fenced_pipe_stops_with_an_error_and_releases_its_claims() {
         matches!(&first_result, Err(KafkaError::Fenced { transactional_id: t, .. }) if *t == transactional_id),
         "{first_result:?}"
     );
-    let events = |key: &str| -> Vec<&'static str> {
-        log.lock()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| k == key)
-            .map(|(_, e)| *e)
-            .collect()
-    };
+    let events = |key: &str| events_of(&log, key);
     for key in &keys[..10] {
         assert_eq!(events(key), ["claimed", "completed"], "{key}");
     }
@@ -528,12 +486,12 @@ async fn a_fenced_pipe_stops_with_an_error_and_releases_its_claims() {
     let stats = second_task.await.unwrap().expect("second pipe");
     println!("{stats:?}");
     assert_eq!(stats.duplicates, 10, "{stats:?}");
-    for key in &keys {
+    for key in keys {
         let completed = events(key).iter().filter(|e| **e == "completed").count();
         assert_eq!(completed, 1, "{key}: {:?}", events(key));
     }
     let (committed, _aborted) = committed_and_aborted(&runs, &log);
-    let outputs = read_outputs(&bootstrap, &output, 1, distinct).await;
+    let outputs = read_outputs(&mock.bootstrap, output, 1, distinct).await;
     let counts = per_key(&outputs, &committed);
     assert_eq!(counts.len(), distinct, "{counts:?}");
     assert!(counts.values().all(|n| *n == 1), "{counts:?}");
@@ -607,24 +565,10 @@ async fn a_revoke_aborts_the_open_transaction_and_releases_its_claims() {
 /// transaction, and each key is completed once and comes out of a committed run once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_the_broker_refuses_aborts_and_the_batch_runs_again() {
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let bootstrap = cluster.bootstrap_servers();
-    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
-    cluster.create_topic(&input, 1, 1).unwrap();
-    cluster.create_topic(&output, 1, 1).unwrap();
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
-        .create()
-        .unwrap();
     let distinct = 30;
-    let keys: Vec<String> = (0..distinct).map(|i| format!("order-{i:04}")).collect();
-    let batch: Vec<(i32, Option<&str>, &[u8])> = keys
-        .iter()
-        .map(|k| (0, Some(k.as_str()), &b"{}"[..]))
-        .collect();
-    broker::produce(&producer, &input, 1, &batch, &mut Vec::new()).await;
-    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
-    let config = PipeConfig::new(source, &unique("tx"))
+    let mock = Mock::start(distinct).await;
+    let (keys, output) = (&mock.keys, &mock.output);
+    let config = PipeConfig::new(mock.source(), &unique("tx"))
         .unwrap()
         .batch(5, Duration::from_secs(5))
         .unwrap();
@@ -633,54 +577,17 @@ async fn a_commit_the_broker_refuses_aborts_and_the_batch_runs_again() {
     let runs = Arc::new(Runs::default());
     let (release, released) = watch::channel(false);
     let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
-    let (stop, mut stopped) = watch::channel(false);
-    let task = tokio::spawn({
-        let (runs, output) = (runs.clone(), output.clone());
-        async move {
-            let handler = move |input: Input| {
-                let run = runs.start(&input.key);
-                let (output, mut released) = (output.clone(), released.clone());
-                async move {
-                    if input.key == "order-0012" {
-                        let _ = released.wait_for(|r| *r).await;
-                    }
-                    Ok::<_, String>(vec![Output::new(&output, input.record.payload)
-                        .header(RUN_HEADER, run.to_string())])
-                }
-            };
-            pipe.run(handler, async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            })
-            .await
-        }
-    });
-    let started = Instant::now();
-    while !runs
-        .keys
-        .lock()
-        .unwrap()
-        .values()
-        .any(|k| k == "order-0012")
-    {
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the pipe never reached order-0012"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cluster.request_errors(
+    let (stop, task) = spawn(
+        pipe,
+        latched_handler(runs.clone(), output.clone(), "order-0012", released),
+    );
+    wait_for_run(&runs, "order-0012").await;
+    mock.cluster.request_errors(
         RDKafkaApiKey::EndTxn,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN],
     );
     release.send(true).unwrap();
-    let events = |key: &str| -> Vec<&'static str> {
-        log.lock()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| k == key)
-            .map(|(_, e)| *e)
-            .collect()
-    };
+    let events = |key: &str| events_of(&log, key);
     let started = Instant::now();
     while keys.iter().any(|k| !events(k).contains(&"completed")) {
         assert!(
@@ -705,10 +612,46 @@ async fn a_commit_the_broker_refuses_aborts_and_the_batch_runs_again() {
         assert_eq!(events(key), ["claimed", "completed"], "{key}");
     }
     let (committed, _aborted) = committed_and_aborted(&runs, &log);
-    let outputs = read_outputs(&bootstrap, &output, 1, distinct).await;
+    let outputs = read_outputs(&mock.bootstrap, output, 1, distinct).await;
     let counts = per_key(&outputs, &committed);
     assert_eq!(counts.len(), distinct, "{counts:?}");
     assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+}
+
+/// One test's librdkafka mock cluster (one broker), its one-partition `input` and `output`
+/// topics, the input's consumer group, and the keys of the records on the input.
+struct Mock {
+    cluster: MockCluster<'static, DefaultProducerContext>,
+    bootstrap: String,
+    input: String,
+    output: String,
+    group: String,
+    keys: Vec<String>,
+}
+
+impl Mock {
+    /// The cluster, with `distinct` records `order-0000`… on the input ([`produce_to_mock`]).
+    async fn start(distinct: usize) -> Self {
+        let cluster = MockCluster::new(1).expect("mock cluster");
+        let bootstrap = cluster.bootstrap_servers();
+        let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
+        cluster.create_topic(&input, 1, 1).unwrap();
+        cluster.create_topic(&output, 1, 1).unwrap();
+        let keys = produce_to_mock(&bootstrap, &input, distinct).await;
+        Self {
+            cluster,
+            bootstrap,
+            input,
+            output,
+            group,
+            keys,
+        }
+    }
+
+    /// The pipe's source: the input topic, in the group.
+    fn source(&self) -> KafkaConfig {
+        KafkaConfig::new(&self.bootstrap, &self.group, &[self.input.as_str()]).unwrap()
+    }
 }
 
 /// `distinct` records `order-0000`… on partition 0 of `input` on a mock cluster, payload `{}`.
@@ -838,14 +781,9 @@ async fn shutdown_interrupts_a_record_being_retried() {
 /// made once a lease has passed meanwhile finds it still held, and every key is completed once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_claims_are_renewed_while_a_slow_commit_runs() {
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let bootstrap = cluster.bootstrap_servers();
-    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
-    cluster.create_topic(&input, 1, 1).unwrap();
-    cluster.create_topic(&output, 1, 1).unwrap();
-    let keys = produce_to_mock(&bootstrap, &input, 6).await;
-    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
-    let config = PipeConfig::new(source, &unique("tx"))
+    let mock = Mock::start(6).await;
+    let (cluster, keys, output) = (&mock.cluster, &mock.keys, &mock.output);
+    let config = PipeConfig::new(mock.source(), &unique("tx"))
         .unwrap()
         .batch(100, Duration::from_secs(1))
         .unwrap();
@@ -855,14 +793,8 @@ async fn the_claims_are_renewed_while_a_slow_commit_runs() {
     let pipe = TransactionalPipe::new(gate.clone(), config).unwrap();
     let runs = Arc::new(Runs::default());
     let (release, released) = watch::channel(false);
-    let (stop, mut stopped) = watch::channel(false);
     let handler = latched_handler(runs.clone(), output.clone(), "order-0003", released);
-    let task = tokio::spawn(async move {
-        pipe.run(handler, async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        })
-        .await
-    });
+    let (stop, task) = spawn(pipe, handler);
     // Records 0..=2 are in the open batch; the batch is past its period, so the commit
     // starts as soon as order-0003's handler returns.
     wait_for_run(&runs, "order-0003").await;
@@ -911,7 +843,7 @@ async fn the_claims_are_renewed_while_a_slow_commit_runs() {
     let stats = task.await.unwrap().expect("pipe run");
     println!("{stats:?}");
     assert_eq!(stats.unrecorded, 0, "{stats:?}");
-    for key in &keys {
+    for key in keys {
         assert_eq!(events_of(&log, key), ["claimed", "completed"], "{key}");
     }
 }
@@ -922,14 +854,9 @@ async fn the_claims_are_renewed_while_a_slow_commit_runs() {
 /// transaction may have committed): they are left to their leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_commit_of_unknown_outcome_keeps_its_claims() {
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let bootstrap = cluster.bootstrap_servers();
-    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
-    cluster.create_topic(&input, 1, 1).unwrap();
-    cluster.create_topic(&output, 1, 1).unwrap();
-    let keys = produce_to_mock(&bootstrap, &input, 10).await;
-    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
-    let config = PipeConfig::new(source, &unique("tx"))
+    let mock = Mock::start(10).await;
+    let (cluster, keys, output) = (&mock.cluster, &mock.keys, &mock.output);
+    let config = PipeConfig::new(mock.source(), &unique("tx"))
         .unwrap()
         .batch(5, Duration::from_secs(5))
         .unwrap()
@@ -975,14 +902,9 @@ async fn a_commit_of_unknown_outcome_keeps_its_claims() {
 /// once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_abort_while_a_record_is_in_hand_rewinds_to_the_lowest_offset() {
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let bootstrap = cluster.bootstrap_servers();
-    let (input, output, group) = (unique("orders"), unique("enriched"), unique("pipe"));
-    cluster.create_topic(&input, 1, 1).unwrap();
-    cluster.create_topic(&output, 1, 1).unwrap();
-    let keys = produce_to_mock(&bootstrap, &input, 10).await;
-    let source = KafkaConfig::new(&bootstrap, &group, &[input.as_str()]).unwrap();
-    let config = PipeConfig::new(source, &unique("tx"))
+    let mock = Mock::start(10).await;
+    let (cluster, keys, output) = (&mock.cluster, &mock.keys, &mock.output);
+    let config = PipeConfig::new(mock.source(), &unique("tx"))
         .unwrap()
         .batch(100, Duration::from_secs(1))
         .unwrap();
@@ -1014,13 +936,7 @@ async fn an_abort_while_a_record_is_in_hand_rewinds_to_the_lowest_offset() {
             }
         }
     };
-    let (stop, mut stopped) = watch::channel(false);
-    let task = tokio::spawn(async move {
-        pipe.run(handler, async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        })
-        .await
-    });
+    let (stop, task) = spawn(pipe, handler);
     let refuse_next_commit = || {
         cluster.request_errors(
             RDKafkaApiKey::EndTxn,
@@ -1049,13 +965,13 @@ async fn an_abort_while_a_record_is_in_hand_rewinds_to_the_lowest_offset() {
     let stats = task.await.unwrap().expect("pipe run");
     println!("{stats:?}");
     assert_eq!(stats.transactions_aborted, 2, "{stats:?}");
-    for key in &keys {
+    for key in keys {
         let events = events_of(&log, key);
         let completed = events.iter().filter(|e| **e == "completed").count();
         assert_eq!(completed, 1, "{key}: {events:?}");
     }
     let (committed, _aborted) = committed_and_aborted(&runs, &log);
-    let outputs = read_outputs(&bootstrap, &output, 1, keys.len()).await;
+    let outputs = read_outputs(&mock.bootstrap, output, 1, keys.len()).await;
     let counts = per_key(&outputs, &committed);
     assert_eq!(counts.len(), keys.len(), "{counts:?}");
     assert!(counts.values().all(|n| *n == 1), "{counts:?}");
