@@ -11,6 +11,7 @@
 //! test checks that it did not (`transactions_aborted` is 0), so every record read is one a
 //! committed transaction produced.
 
+mod common;
 // The consumers crate's tansu harness, shared rather than copied; this file uses part of it.
 #[allow(dead_code)]
 #[path = "../../dedupgate-consumers/tests/common/kafka.rs"]
@@ -20,6 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::{counter, free_port, key_of, scrape, unique, D, M};
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{Consumer, StreamConsumer};
 use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
@@ -28,24 +30,7 @@ use dedupgate_core::{Gate, MemoryStore};
 use dedupgate_relay::{Metrics, RelayError, RouteConfig};
 use tokio::sync::oneshot;
 
-/// Records produced, and how many of them copy an earlier key (25%).
-const M: usize = 200;
-const D: usize = 50;
 const DEADLINE: Duration = Duration::from_secs(90);
-
-/// The key of record `i`: the first M − D are distinct, the rest repeat earlier ones.
-fn key_of(i: usize) -> String {
-    let distinct = M - D;
-    format!("k-{}", if i < distinct { i } else { (i * 7) % distinct })
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
 
 /// A record read back: its headers, and its Kafka key.
 struct Read {
@@ -104,28 +89,6 @@ async fn read_topic(bootstrap: &str, topic: &str, partitions: i32, min: usize) -
     }
 }
 
-/// `GET /metrics` on the relay's metrics port; empty while nothing listens there yet.
-async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return String::new();
-    };
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).await.unwrap();
-    text
-}
-
-/// A route's counter in a scrape (`None` when absent).
-fn counter(text: &str, noun: &str, route: &str) -> Option<u64> {
-    let prefix = format!("dedupgate_relay_{noun}_total{{route=\"{route}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kafka_to_kafka_in_one_transaction_forwards_each_key_once_commits_the_offsets_and_dead_letters_in_it(
 ) {
@@ -148,11 +111,7 @@ async fn kafka_to_kafka_in_one_transaction_forwards_each_key_once_commits_the_of
     kafka::produce(&broker.producer(), &topic, 2, &records, &mut ends).await;
 
     let group = unique("relay");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let route = RouteConfig {
         name: Some("tx".into()),
         from: format!("kafka://{}/{topic}?group={group}", broker.bootstrap),

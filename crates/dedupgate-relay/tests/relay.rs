@@ -6,6 +6,7 @@
 //! every distinct key exactly once, the source settled (Kafka: committed to the end), and a
 //! message without a usable key dead-lettered with the reason.
 
+mod common;
 // The consumers crate's tansu harness, shared rather than copied; this file uses part of it.
 #[allow(dead_code)]
 #[path = "../../dedupgate-consumers/tests/common/kafka.rs"]
@@ -15,6 +16,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::{counter, free_port, key_of, scrape, unique, D, M};
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
@@ -24,26 +26,9 @@ use dedupgate_relay::{Metrics, RelayError, RouteConfig};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// Messages published per test, and how many of them copy an earlier key (25%).
-const M: usize = 200;
-const D: usize = 50;
 /// How long a Kafka test waits for the source's offsets to be committed to the end (they are
 /// committed every 500 ms once settled; a guard against a hang).
 const COMMIT_DEADLINE: Duration = Duration::from_secs(30);
-
-/// The key of message `i`: the first M − D are distinct, the rest repeat earlier ones.
-fn key_of(i: usize) -> String {
-    let distinct = M - D;
-    format!("k-{}", if i < distinct { i } else { (i * 7) % distinct })
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}-{}-{nanos}", std::process::id())
-}
 
 /// A running relay and the way to stop it.
 struct Running {
@@ -282,29 +267,6 @@ async fn kafka_to_kafka_forwards_each_key_once_keyed_and_headed_by_the_gate_key(
     assert_eq!(m.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
 
-/// `GET /metrics` on the relay's metrics port; empty while nothing listens there yet.
-async fn scrape(port: u16) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return String::new();
-    };
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).await.unwrap();
-    text
-}
-
-/// A route's counter in a scrape (0 when absent).
-fn counter(text: &str, noun: &str, route: &str) -> u64 {
-    let prefix = format!("dedupgate_relay_{noun}_total{{route=\"{route}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 async fn amqp() -> lapin::Connection {
     let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
@@ -394,7 +356,7 @@ async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_keyle
         let text = scrape(port).await;
         let settled: u64 = ["forwarded", "duplicates", "dead_lettered"]
             .iter()
-            .map(|noun| counter(&text, noun, "amqp"))
+            .map(|noun| counter(&text, noun, "amqp").unwrap_or(0))
             .sum();
         if settled >= (M + 2) as u64 {
             break text;
@@ -810,15 +772,6 @@ async fn nats_stream(js: &async_nats::jetstream::Context, name: &str) {
     .expect("stream");
 }
 
-/// A free local port for `/metrics`.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Polls the relay's `/metrics` until `done` holds for the scrape, for up to 30 s.
 async fn wait_for_metrics(port: u16, what: &str, done: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -919,7 +872,8 @@ async fn idempotent_reject_whose_dead_letter_failed_once_is_dead_lettered_on_red
         );
         // The forward failed, then its dead letter: the delivery is put back.
         wait_for_metrics(port, "a failed dead letter", |t| {
-            counter(t, "forward_failures", "idem") == 1 && counter(t, "retries", "idem") >= 1
+            counter(t, "forward_failures", "idem") == Some(1)
+                && counter(t, "retries", "idem") >= Some(1)
         })
         .await;
         channel
@@ -1088,7 +1042,7 @@ async fn a_key_with_a_line_break_is_dead_lettered_not_injected_into_nats_headers
         Some(format!("127.0.0.1:{port}")),
     );
     wait_for_metrics(port, "one forwarded, one dead-lettered", |t| {
-        counter(t, "forwarded", "crlf") == 1 && counter(t, "dead_lettered", "crlf") == 1
+        counter(t, "forwarded", "crlf") == Some(1) && counter(t, "dead_lettered", "crlf") == Some(1)
     })
     .await;
     let metrics = relay.stop().await;
@@ -1279,7 +1233,7 @@ async fn a_slow_sink_does_not_let_jetstream_redeliver_the_message_in_flight() {
         Some(format!("127.0.0.1:{port}")),
     );
     wait_for_metrics(port, "the slow forward confirmed", |t| {
-        counter(t, "forwarded", "slow") == 1
+        counter(t, "forwarded", "slow") == Some(1)
     })
     .await;
     let metrics = relay.stop().await;
