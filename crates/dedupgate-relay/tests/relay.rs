@@ -7,6 +7,10 @@
 //! message without a usable key dead-lettered with the reason.
 
 mod common;
+// The consumers crate's RabbitMQ helpers, shared rather than copied; this file uses part of it.
+#[allow(dead_code)]
+#[path = "../../dedupgate-consumers/tests/common/amqp.rs"]
+mod amqp;
 // The consumers crate's tansu harness, shared rather than copied; this file uses part of it.
 #[allow(dead_code)]
 #[path = "../../dedupgate-consumers/tests/common/kafka.rs"]
@@ -267,31 +271,15 @@ async fn kafka_to_kafka_forwards_each_key_once_keyed_and_headed_by_the_gate_key(
     assert_eq!(m.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
 
-async fn amqp() -> lapin::Connection {
-    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    dedupgate_consumers::rabbitmq::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("this test needs RabbitMQ at {url}: {e}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_keyless_and_mismatched_messages_to_a_file(
 ) {
-    use lapin::options::{
-        BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-    };
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
     use lapin::types::FieldTable;
-    use lapin::BasicProperties;
 
-    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    let conn = amqp().await;
-    let channel = conn.create_channel().await.unwrap();
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let url = amqp::url();
+    let conn = amqp::connect().await;
+    let channel = amqp::confirming_channel(&conn).await;
     let queue = unique("dedupgate-relay");
     channel
         .queue_declare(
@@ -303,42 +291,24 @@ async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_keyle
         .unwrap();
     // M messages, then one with no message id and one reusing k-0's id for another payload.
     for i in 0..M + 2 {
-        let (props, payload) = if i < M {
+        let (id, payload) = if i < M {
             let k = key_of(i);
-            (
-                BasicProperties::default().with_message_id(k.as_str().into()),
-                format!(r#"{{"id":"{k}"}}"#),
-            )
+            let payload = format!(r#"{{"id":"{k}"}}"#);
+            (Some(k), payload)
         } else if i == M {
-            (BasicProperties::default(), "no key".to_owned())
+            (None, "no key".to_owned())
         } else {
             (
-                BasicProperties::default().with_message_id("k-0".into()),
+                Some("k-0".to_owned()),
                 r#"{"id":"k-0","amount":"changed"}"#.to_owned(),
             )
         };
-        let confirm = channel
-            .basic_publish(
-                "",
-                queue.as_str(),
-                BasicPublishOptions::default(),
-                payload.as_bytes(),
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
+        amqp::publish(&channel, &queue, id.as_deref(), payload.as_bytes()).await;
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
     let dead = dir.path().join("dead.jsonl");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let relay = start(
         RouteConfig {
             name: Some("amqp".into()),
@@ -366,18 +336,9 @@ async fn rabbitmq_to_file_forwards_each_key_once_acks_all_and_dead_letters_keyle
     };
     let metrics = relay.stop().await;
     // Every delivery was acked: nothing is left, ready or requeued when the relay let go.
-    let left = channel
-        .queue_declare(
-            queue.as_str(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    let left = amqp::message_count(&channel, &queue)
         .await
-        .unwrap()
-        .message_count();
+        .expect("the source queue");
     assert_eq!(
         left, 0,
         "messages left in the queue after the relay stopped"
@@ -625,13 +586,12 @@ async fn nats_to_rabbitmq_publishes_each_key_once_with_the_key_as_message_id() {
 
     let nats_url =
         std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let amqp_url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let amqp_url = amqp::url();
     let client = async_nats::connect(&nats_url)
         .await
         .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {nats_url}: {e}"));
     let js = jetstream::new(client);
-    let conn = amqp().await;
+    let conn = amqp::connect().await;
     let channel = conn.create_channel().await.unwrap();
     let queue = unique("dedupgate-relay-sink");
     channel
@@ -673,18 +633,9 @@ async fn nats_to_rabbitmq_publishes_each_key_once_with_the_key_as_message_id() {
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let n = channel
-            .queue_declare(
-                queue.as_str(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        let n = amqp::message_count(&channel, &queue)
             .await
-            .unwrap()
-            .message_count();
+            .expect("the sink queue");
         if n as usize >= M - D {
             break;
         }
@@ -746,11 +697,6 @@ fn nats_url() -> String {
     std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
-fn amqp_url() -> String {
-    std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
-}
-
 async fn jetstream() -> (async_nats::Client, async_nats::jetstream::Context) {
     let url = nats_url();
     let client = async_nats::connect(&url)
@@ -788,24 +734,6 @@ async fn wait_for_metrics(port: u16, what: &str, done: impl Fn(&str) -> bool) ->
     }
 }
 
-/// Messages in a RabbitMQ queue (0 when it does not exist).
-async fn queue_len(channel: &lapin::Channel, queue: &str) -> u32 {
-    use lapin::options::QueueDeclareOptions;
-    use lapin::types::FieldTable;
-    channel
-        .queue_declare(
-            queue,
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map(|q| q.message_count())
-        .unwrap_or(0)
-}
-
 /// Idempotent mode marks a key before forwarding. A forward that fails is dead-lettered; when
 /// that dead letter fails too (here: its RabbitMQ queue does not exist yet, so the mandatory
 /// publish comes back unroutable), the redelivery finds the key marked, and must send the dead
@@ -813,15 +741,12 @@ async fn queue_len(channel: &lapin::Channel, queue: &str) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn idempotent_reject_whose_dead_letter_failed_once_is_dead_lettered_on_redelivery_not_acked()
 {
-    use lapin::options::{
-        BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
-    };
+    use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
     use lapin::types::FieldTable;
-    use lapin::BasicProperties;
 
     let (_client, js) = jetstream().await;
-    let conn = amqp().await;
-    let channel = conn.create_channel().await.unwrap();
+    let conn = amqp::connect().await;
+    let channel = amqp::confirming_channel(&conn).await;
     for source_kind in ["nats", "amqp"] {
         let dlq = unique("relay-dlq");
         let from = if source_kind == "nats" {
@@ -843,19 +768,8 @@ async fn idempotent_reject_whose_dead_letter_failed_once_is_dead_lettered_on_red
                 )
                 .await
                 .unwrap();
-            channel
-                .basic_publish(
-                    "",
-                    queue.as_str(),
-                    BasicPublishOptions::default(),
-                    br#"{"id":"idem-1"}"#,
-                    BasicProperties::default(),
-                )
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-            format!("{}?queue={queue}", amqp_url())
+            amqp::publish(&channel, &queue, None, br#"{"id":"idem-1"}"#).await;
+            format!("{}?queue={queue}", amqp::url())
         };
         let port = free_port();
         let relay = start(
@@ -865,7 +779,7 @@ async fn idempotent_reject_whose_dead_letter_failed_once_is_dead_lettered_on_red
                 to: "file:/dev/full".into(),
                 key: Some("{id}".into()),
                 mode: Some("idempotent".into()),
-                dead_letter: Some(format!("{}?routing_key={dlq}", amqp_url())),
+                dead_letter: Some(format!("{}?routing_key={dlq}", amqp::url())),
                 ..Default::default()
             },
             Some(format!("127.0.0.1:{port}")),
@@ -885,7 +799,7 @@ async fn idempotent_reject_whose_dead_letter_failed_once_is_dead_lettered_on_red
             .await
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
-        while queue_len(&channel, &dlq).await < 1 {
+        while amqp::message_count(&channel, &dlq).await.unwrap_or(0) < 1 {
             assert!(
                 Instant::now() < deadline,
                 "{source_kind}: the dead letter never came; metrics:\n{}",
@@ -937,7 +851,7 @@ async fn a_1000_byte_key_reaches_a_rabbitmq_sink_hashed_in_message_id_and_whole_
     use lapin::types::{AMQPValue, FieldTable};
 
     let (_client, js) = jetstream().await;
-    let conn = amqp().await;
+    let conn = amqp::connect().await;
     let channel = conn.create_channel().await.unwrap();
     let queue = unique("relay-long-key");
     channel
@@ -964,14 +878,14 @@ async fn a_1000_byte_key_reaches_a_rabbitmq_sink_hashed_in_message_id_and_whole_
         RouteConfig {
             name: Some("long".into()),
             from: format!("{}/{source}?consumer=relay", nats_url()),
-            to: format!("{}?routing_key={queue}", amqp_url()),
+            to: format!("{}?routing_key={queue}", amqp::url()),
             key: Some("{id}".into()),
             ..Default::default()
         },
         None,
     );
     let deadline = Instant::now() + Duration::from_secs(30);
-    while queue_len(&channel, &queue).await < 1 {
+    while amqp::message_count(&channel, &queue).await.unwrap_or(0) < 1 {
         assert!(Instant::now() < deadline, "nothing reached the sink queue");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

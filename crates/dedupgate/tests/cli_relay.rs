@@ -17,11 +17,13 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use lapin::BasicProperties;
+
+// The consumers crate's RabbitMQ helpers, shared rather than copied; this file uses part of it.
+#[allow(dead_code)]
+#[path = "../../dedupgate-consumers/tests/common/amqp.rs"]
+mod amqp;
 
 fn relay(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_dedupgate"))
@@ -117,20 +119,13 @@ fn a_config_file_with_a_bad_route_or_field_exits_1_naming_it() {
 
 #[test]
 fn rabbitmq_to_stdout_prints_each_key_once_and_stops_cleanly_on_sigterm() {
-    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let url = amqp::url();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let queue = format!("dedupgate-cli-relay-{}", std::process::id());
     let (total, distinct) = (40usize, 30usize);
     let channel = runtime.block_on(async {
-        let conn = dedupgate_consumers::rabbitmq::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("this test needs RabbitMQ at {url}: {e}"));
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
+        let conn = amqp::connect().await;
+        let channel = amqp::confirming_channel(&conn).await;
         channel
             .queue_declare(
                 queue.as_str(),
@@ -141,21 +136,8 @@ fn rabbitmq_to_stdout_prints_each_key_once_and_stops_cleanly_on_sigterm() {
             .unwrap();
         for i in 0..total {
             let key = format!("order-{}", i % distinct);
-            let props = BasicProperties::default().with_message_id(key.as_str().into());
             let body = format!(r#"{{"order":"{key}"}}"#);
-            let confirm = channel
-                .basic_publish(
-                    "",
-                    queue.as_str(),
-                    BasicPublishOptions::default(),
-                    body.as_bytes(),
-                    props,
-                )
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-            assert!(confirm.is_ack());
+            amqp::publish(&channel, &queue, Some(&key), body.as_bytes()).await;
         }
         std::mem::forget(conn);
         channel
@@ -212,21 +194,13 @@ fn rabbitmq_to_stdout_prints_each_key_once_and_stops_cleanly_on_sigterm() {
     .unwrap();
     let status = child.wait().unwrap();
     let left = runtime.block_on(async {
-        let q = channel
-            .queue_declare(
-                queue.as_str(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        let left = amqp::message_count(&channel, &queue)
             .await
-            .unwrap();
+            .expect("the queue");
         let _ = channel
             .queue_delete(queue.as_str(), QueueDeleteOptions::default())
             .await;
-        q.message_count()
+        left
     });
     assert_eq!(status.code(), Some(0), "exit after SIGTERM");
     assert_eq!(keys.len(), distinct);
@@ -245,19 +219,7 @@ async fn publish(channel: &lapin::Channel, queue: &str, ids: &[String]) {
         .unwrap();
     for id in ids {
         let body = format!(r#"{{"id":"{id}"}}"#);
-        let confirm = channel
-            .basic_publish(
-                "",
-                queue,
-                BasicPublishOptions::default(),
-                body.as_bytes(),
-                BasicProperties::default().with_message_id(id.as_str().into()),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
+        amqp::publish(channel, queue, Some(id), body.as_bytes()).await;
     }
 }
 
@@ -274,8 +236,7 @@ fn lines(path: &std::path::Path) -> Vec<String> {
 /// store is durable), so the files do not grow.
 #[test]
 fn a_config_of_two_routes_over_one_embedded_store_remembers_keys_across_a_restart() {
-    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let url = amqp::url();
     let dir = tempfile::tempdir().unwrap();
     let pid = std::process::id();
     let queues = [
@@ -302,14 +263,8 @@ fn a_config_of_two_routes_over_one_embedded_store_remembers_keys_across_a_restar
     let ids: Vec<String> = (0..12).map(|i| format!("id-{}", i % 8)).collect();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (conn, channel) = runtime.block_on(async {
-        let conn = dedupgate_consumers::rabbitmq::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("this test needs RabbitMQ at {url}: {e}"));
-        let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
+        let conn = amqp::connect().await;
+        let channel = amqp::confirming_channel(&conn).await;
         (conn, channel)
     });
     for round in 0..2 {
@@ -330,18 +285,7 @@ fn a_config_of_two_routes_over_one_embedded_store_remembers_keys_across_a_restar
             let ready: u32 = runtime.block_on(async {
                 let mut n = 0;
                 for q in &queues {
-                    n += channel
-                        .queue_declare(
-                            q.as_str(),
-                            QueueDeclareOptions {
-                                passive: true,
-                                ..Default::default()
-                            },
-                            FieldTable::default(),
-                        )
-                        .await
-                        .unwrap()
-                        .message_count();
+                    n += amqp::message_count(&channel, q).await.expect("the queue");
                 }
                 n
             });
@@ -381,18 +325,7 @@ fn a_config_of_two_routes_over_one_embedded_store_remembers_keys_across_a_restar
     }
     runtime.block_on(async {
         for q in &queues {
-            let left = channel
-                .queue_declare(
-                    q.as_str(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap()
-                .message_count();
+            let left = amqp::message_count(&channel, q).await.expect("the queue");
             assert_eq!(left, 0, "{q}");
             let _ = channel
                 .queue_delete(q.as_str(), QueueDeleteOptions::default())

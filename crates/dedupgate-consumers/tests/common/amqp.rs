@@ -1,15 +1,23 @@
 //! RabbitMQ for the AMQP tests: the machine's broker (`DEDUPGATE_TEST_AMQP_URL`, default
-//! `amqp://guest:guest@127.0.0.1:5672/%2f`).
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`). The relay's and the binary's tests include this
+//! file too (`#[path]`).
 
 use dedupgate_consumers::rabbitmq;
-use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, Consumer};
 
+/// The broker's URL: `DEDUPGATE_TEST_AMQP_URL`, or the local default.
+pub fn url() -> String {
+    std::env::var("DEDUPGATE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
 /// Connects, or fails the test naming the broker it needs.
 pub async fn connect() -> Connection {
-    let url = std::env::var("DEDUPGATE_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let url = url();
     rabbitmq::connect(&url).await.unwrap_or_else(|e| {
         panic!("these tests need RabbitMQ at {url} (DEDUPGATE_TEST_AMQP_URL): {e}")
     })
@@ -52,4 +60,20 @@ pub async fn consumer(channel: &Channel, queue: &str, tag: &str) -> Consumer {
         )
         .await
         .expect("consume")
+}
+
+/// The messages in `queue` (a passive declare), or `None` when it does not exist.
+pub async fn message_count(channel: &Channel, queue: &str) -> Option<u32> {
+    channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .ok()
+        .map(|q| q.message_count())
 }
