@@ -191,27 +191,12 @@ impl<'a> Parts<'a> {
     }
 }
 
+/// A bad URL, named with its password redacted (the STORE forms' rule): errors are printed
+/// and logged.
 fn bad(url: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Url {
-        url: redacted(url),
+        url: dedupgate_stores::redact(url),
         reason: reason.into(),
-    }
-}
-
-/// `url` with the password of its `user:password@` part, if any, replaced by `***`: errors
-/// are printed and logged.
-fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            format!("{scheme}://{user}:***@{host}{tail}")
-        }
-        None => url.to_owned(),
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use dedupgate_core::{KeySet, Store};
 
+#[cfg(feature = "embedded")]
 use crate::{open, OpenStoreError, StoreSpec};
 
 #[cfg(feature = "embedded")]
