@@ -96,14 +96,9 @@ where
     T: Serialize,
     E: fmt::Display + crate::Permanence,
 {
-    let message_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|id| id.as_str());
     let handled = gate
         .process(
-            message_id,
+            message_id(delivery),
             MESSAGE_ID_FIELD,
             &delivery.data,
             attempt(delivery),
@@ -116,6 +111,15 @@ where
         gate.unsettled().clear(&pending.key).await;
     }
     Ok(handled)
+}
+
+/// The delivery's AMQP `message_id` property, when it has one.
+pub fn message_id(delivery: &Delivery) -> Option<&str> {
+    delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str())
 }
 
 /// Which delivery this is: one more than the deliveries the broker counted before it

@@ -60,10 +60,9 @@ pub(crate) async fn run(
                     let forward = forward.clone();
                     let handler = handler.clone();
                     tasks.spawn(async move {
-                        let message_id = delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned());
                         let handled = gate
                             .process(
-                                message_id.as_deref(),
+                                rabbitmq::message_id(&delivery),
                                 rabbitmq::MESSAGE_ID_FIELD,
                                 &delivery.data,
                                 rabbitmq::attempt(&delivery),
