@@ -132,6 +132,18 @@ pub use transactional::{
 #[allow(deprecated)]
 pub use {config::KEY_HEADER_DEFAULT, dead_letter::KEY_HEADER};
 
+/// Runs a blocking librdkafka call (a commit, a seek, a transaction call) off the runtime's
+/// threads: each can wait for the broker up to its timeout.
+pub(crate) async fn blocking<T: Send + 'static>(
+    call: impl FnOnce() -> Result<T, rdkafka::error::KafkaError> + Send + 'static,
+) -> Result<T, rdkafka::error::KafkaError> {
+    match tokio::task::spawn_blocking(call).await {
+        Ok(result) => result,
+        // The call panicked or the runtime is shutting down: treated as a failed call.
+        Err(_) => Err(rdkafka::error::KafkaError::Canceled),
+    }
+}
+
 /// Why the consumer could not be built or could not go on.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -21,7 +21,7 @@ use super::config::RecordKey;
 use super::dead_letter::DeadLetters;
 use super::partitions::{Partitions, Tp};
 use super::record::key_of;
-use super::{KafkaConfig, KafkaError, Record};
+use super::{blocking, KafkaConfig, KafkaError, Record};
 use crate::{Action, Attempt, ConsumerGate, Handled, Message};
 
 /// What a consumer did so far, counted per record outcome.
@@ -340,10 +340,9 @@ impl KafkaConsumer {
         }
         let consumer = self.consumer.clone();
         let sent = positions.clone();
-        match tokio::task::spawn_blocking(move || consumer.commit(&sent, CommitMode::Sync)).await {
-            Ok(Ok(())) => self.shared.partitions.committed(&positions),
-            Ok(Err(e)) => tracing::warn!(error = %e, "kafka: commit at stop failed"),
-            Err(e) => tracing::warn!(error = %e, "kafka: commit at stop did not run"),
+        match blocking(move || consumer.commit(&sent, CommitMode::Sync)).await {
+            Ok(()) => self.shared.partitions.committed(&positions),
+            Err(e) => tracing::warn!(error = %e, "kafka: commit at stop failed"),
         }
     }
 

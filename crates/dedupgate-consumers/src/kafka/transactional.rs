@@ -23,7 +23,7 @@ use tokio::sync::{watch, Notify};
 use super::dead_letter::{dead_letter_headers, is_connection_property};
 use super::partitions::Tp;
 use super::record::key_of;
-use super::{KafkaConfig, KafkaError, Record, DEDUP_KEY_HEADER};
+use super::{blocking, KafkaConfig, KafkaError, Record, DEDUP_KEY_HEADER};
 use crate::{ConsumerGate, Rejection};
 
 /// Default bound of records in one transaction: a batch commits when it holds this many.
@@ -1033,9 +1033,9 @@ impl TransactionalPipe {
             return Ok(HashSet::new());
         }
         let consumer = self.consumer.clone();
-        let rewound = tokio::task::spawn_blocking(move || {
+        let rewound = blocking(move || {
             let assigned = consumer.assignment().unwrap_or_default();
-            rewind_each(
+            Ok(rewind_each(
                 &positions,
                 |(topic, partition)| assigned.find_partition(topic, *partition).is_some(),
                 |(topic, partition), first| {
@@ -1046,12 +1046,12 @@ impl TransactionalPipe {
                         Duration::from_secs(5),
                     )
                 },
-            )
+            ))
         })
         .await
-        .map_err(|_| RewindFailed {
+        .map_err(|cause| RewindFailed {
             tp: (String::new(), -1),
-            cause: RdKafkaError::Canceled,
+            cause,
         })
         .and_then(|r| r);
         rewound.map_err(|failed| {
@@ -1206,17 +1206,6 @@ fn rewind_each(
         rewound.insert(tp.clone());
     }
     Ok(rewound)
-}
-
-/// Runs a blocking librdkafka call off the runtime's threads.
-async fn blocking<T: Send + 'static>(
-    call: impl FnOnce() -> Result<T, RdKafkaError> + Send + 'static,
-) -> Result<T, RdKafkaError> {
-    match tokio::task::spawn_blocking(call).await {
-        Ok(result) => result,
-        // The call panicked or the runtime is shutting down: treated as a failed call.
-        Err(_) => Err(RdKafkaError::Canceled),
-    }
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
