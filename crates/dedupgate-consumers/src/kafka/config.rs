@@ -59,7 +59,31 @@ pub struct KafkaConfig {
     pub(crate) shutdown_grace: Duration,
 }
 
+/// Connection properties copied from the consumer's settings to its producers (dead letters,
+/// the pipe's transactions): where the cluster is and how to authenticate; consumer
+/// properties would only draw warnings.
+fn is_connection_property(name: &str) -> bool {
+    name == "bootstrap.servers"
+        || name == "client.id"
+        || ["security.", "sasl.", "ssl."]
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+}
+
 impl KafkaConfig {
+    /// The settings of a producer on this consumer's cluster: its connection properties, and
+    /// idempotence, so that a retried publish is not written twice.
+    pub(crate) fn producer_config(&self) -> rdkafka::config::ClientConfig {
+        let mut client = rdkafka::config::ClientConfig::new();
+        for (name, value) in &self.properties {
+            if is_connection_property(name) {
+                client.set(name, value);
+            }
+        }
+        client.set("enable.idempotence", "true");
+        client
+    }
+
     /// A consumer of `topics` in group `group_id` of the cluster at `bootstrap_servers`
     /// (`host:port[,host:port…]`), starting from the earliest offset when the group has none.
     /// Refused when a value is empty or there are no topics.

@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
@@ -27,16 +26,6 @@ pub const KEY_HEADER: &str = DEDUP_KEY_HEADER;
 /// retries within it) before the consumer tries again later.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Connection properties copied from the consumer's to the dead-letter producer: where the
-/// cluster is and how to authenticate; consumer properties would only draw warnings.
-pub(crate) fn is_connection_property(name: &str) -> bool {
-    name == "bootstrap.servers"
-        || name == "client.id"
-        || ["security.", "sasl.", "ssl."]
-            .iter()
-            .any(|prefix| name.starts_with(prefix))
-}
-
 /// The dead-letter topic and its producer.
 pub(crate) struct DeadLetters {
     topic: String,
@@ -49,15 +38,10 @@ impl DeadLetters {
         let Some(topic) = &config.dead_letter_topic else {
             return Ok(None);
         };
-        let mut client = ClientConfig::new();
-        for (name, value) in &config.properties {
-            if is_connection_property(name) {
-                client.set(name, value);
-            }
-        }
-        // Idempotent: a retried publish is not written twice.
-        client.set("enable.idempotence", "true");
-        let producer = client.create().map_err(KafkaError::Client)?;
+        let producer = config
+            .producer_config()
+            .create()
+            .map_err(KafkaError::Client)?;
         Ok(Some(Self {
             topic: topic.clone(),
             producer,

@@ -20,7 +20,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::{watch, Notify};
 
-use super::dead_letter::{dead_letter_headers, is_connection_property};
+use super::dead_letter::dead_letter_headers;
 use super::partitions::Tp;
 use super::record::key_of;
 use super::{blocking, KafkaConfig, KafkaError, Record, DEDUP_KEY_HEADER};
@@ -407,15 +407,9 @@ impl TransactionalPipe {
                 ),
             )));
         }
-        let mut producer_config = ClientConfig::new();
-        for (name, value) in &config.source.properties {
-            if is_connection_property(name) {
-                producer_config.set(name, value);
-            }
-        }
+        let mut producer_config = config.source.producer_config();
         producer_config
             .set("transactional.id", &config.transactional_id)
-            .set("enable.idempotence", "true")
             .set(
                 "transaction.timeout.ms",
                 config.transaction_timeout.as_millis().to_string(),
