@@ -7,6 +7,10 @@ use std::time::Duration;
 use dedupgate_core::keys::RenderError;
 use dedupgate_core::{GateError, InvalidInput, Mode, Record};
 
+/// The header a dead letter carries why it was dead-lettered in (the outcome as logged): the
+/// Kafka consumer's dead letters, and the relay's for every source.
+pub const REASON_HEADER: &str = "dedupgate-reason";
+
 /// Why a delivery was rejected without requeue: retrying it could never succeed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

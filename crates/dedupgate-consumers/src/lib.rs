@@ -95,7 +95,7 @@ mod unsettled;
 
 pub use delivery::{Attempt, Message};
 pub use gate::ConsumerGate;
-pub use handled::{Action, Handled, Rejection};
+pub use handled::{Action, Handled, Rejection, REASON_HEADER};
 pub use options::{
     FailureRetry, KeySource, FAILURE_RETRY_INITIAL_DEFAULT, FAILURE_RETRY_LIMIT,
     FAILURE_RETRY_MAX_DEFAULT, IN_PROGRESS_RETRY_DEFAULT, IN_PROGRESS_RETRY_FLOOR,

@@ -54,7 +54,9 @@ pub use config::{ConfigError, RelayConfig, RouteConfig};
 pub use metrics::Metrics;
 pub use route::{Route, SinkSpec, SourceSpec};
 pub use sink::{Sink, SinkError};
-pub use source::{IN_FLIGHT, KEY_HEADER, REASON_HEADER, ROUTE_HEADER};
+#[allow(deprecated)]
+pub use source::KEY_HEADER;
+pub use source::{DEAD_LETTER_KEY_HEADER, IN_FLIGHT, REASON_HEADER, ROUTE_HEADER};
 
 /// Why the relay could not start or could not go on.
 #[derive(Debug, thiserror::Error)]

@@ -552,7 +552,7 @@ async fn failing_forwards_are_dead_lettered_after_max_attempts_or_at_once_when_i
                 .unwrap();
             assert!(reason.contains("No space left"), "{mode}: {reason}");
             assert_eq!(
-                v["headers"][dedupgate_relay::KEY_HEADER],
+                v["headers"][dedupgate_relay::DEAD_LETTER_KEY_HEADER],
                 v["key"],
                 "{mode}: {line}"
             );
@@ -1003,7 +1003,7 @@ async fn a_key_with_a_line_break_is_dead_lettered_not_injected_into_nats_headers
             .unwrap_or_default()
     };
     assert_eq!(
-        header(dedupgate_relay::KEY_HEADER),
+        header(dedupgate_relay::DEAD_LETTER_KEY_HEADER),
         "bad\\r\\nInjected: yes"
     );
     let reason = header(dedupgate_relay::REASON_HEADER);

@@ -8,8 +8,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use super::{KafkaConfig, KafkaError, Record};
 
-/// Header holding why the record was dead-lettered (the outcome as logged).
-pub const REASON_HEADER: &str = "dedupgate-reason";
+pub use crate::REASON_HEADER;
 /// Header holding the outcome's label (`rejected`, `failed`).
 pub const OUTCOME_HEADER: &str = "dedupgate-outcome";
 /// Header holding where the record came from, `topic/partition/offset`.

@@ -31,10 +31,14 @@ use dedupgate_core::Mode;
 use crate::metrics::RouteMetrics;
 use crate::sink::{Header, Sink, SinkError};
 
-/// Dead letters carry why in this header (as the Kafka consumer's do).
-pub const REASON_HEADER: &str = "dedupgate-reason";
-/// Dead letters carry their key, when one could be made, in this header.
-pub const KEY_HEADER: &str = "dedupgate-key";
+/// Dead letters carry why in this header, the consumers crate's (as the Kafka consumer's do).
+pub use dedupgate_consumers::REASON_HEADER;
+/// Dead letters carry their key, when one could be made, in this header. Not the sinks'
+/// [`sink::KEY_HEADER`](crate::sink::KEY_HEADER), which carries the gate key of a forward.
+pub const DEAD_LETTER_KEY_HEADER: &str = "dedupgate-key";
+/// The former name of [`DEAD_LETTER_KEY_HEADER`].
+#[deprecated(note = "renamed DEAD_LETTER_KEY_HEADER: the sinks' key header is another")]
+pub const KEY_HEADER: &str = DEAD_LETTER_KEY_HEADER;
 /// Dead letters carry where they came from (the route's name) in this header.
 pub const ROUTE_HEADER: &str = "dedupgate-route";
 
@@ -193,7 +197,7 @@ impl Forward {
             (ROUTE_HEADER.into(), self.route.clone().into_bytes()),
         ];
         if !key.is_empty() {
-            headers.push((KEY_HEADER.into(), key.as_bytes().to_vec()));
+            headers.push((DEAD_LETTER_KEY_HEADER.into(), key.as_bytes().to_vec()));
         }
         let sent = match dead.send(key, payload, &headers).await {
             Err(SinkError::Refused { .. }) if !key.is_empty() => {
