@@ -52,6 +52,10 @@ pub struct Message {
     pub redelivered: bool,
     /// Which delivery this is (1 = the first), when the broker counts them.
     pub attempt: Option<u32>,
+    /// The gate's fencing token for this run (the claim's, or the mark's): it grows with each
+    /// new claim of the key, so a destination that keeps the highest it applied can refuse a
+    /// stale holder's late write.
+    pub fence: u64,
 }
 
 impl Message {

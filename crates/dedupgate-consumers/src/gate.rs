@@ -112,12 +112,13 @@ impl ConsumerGate {
         // The payload is copied for the handler only when it runs, not for duplicates.
         let run = self
             .gate
-            .run_with(&self.namespace, &key, self.mode, opts, || {
+            .run_fenced(&self.namespace, &key, self.mode, opts, |fence| {
                 handler(Message {
                     key: key.clone(),
                     payload: payload.to_vec(),
                     redelivered: attempt.redelivered,
                     attempt: attempt.number,
+                    fence,
                 })
             })
             .await;

@@ -312,6 +312,37 @@ impl Gate {
         Fut: Future<Output = Result<T, E>>,
         T: Serialize,
     {
+        self.run_fenced(namespace, key, mode, opts, |_fence| handler())
+            .await
+    }
+
+    /// [`Gate::run_with`] whose handler is given the run's fencing token (the claim's fence in
+    /// retriable mode, the marked record's in idempotent mode), so it can pass it downstream,
+    /// where a write carrying an older fence than one already applied is refused: a holder
+    /// whose lease was taken over cannot overwrite the newer holder's work.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use dedupgate_core::{ClaimOptions, Gate, MemoryStore, Mode, Run};
+    /// let gate = Gate::new(MemoryStore::new());
+    /// let run = gate.run_fenced("orders", "o-1", Mode::Retriable, ClaimOptions::default(),
+    ///     |fence| async move { Ok::<_, std::io::Error>(fence) });
+    /// assert!(matches!(run.await.unwrap(), Run::Ran(f) if f > 0));
+    /// # });
+    /// ```
+    pub async fn run_fenced<F, Fut, T, E>(
+        &self,
+        namespace: &str,
+        key: &str,
+        mode: Mode,
+        opts: ClaimOptions,
+        handler: F,
+    ) -> Result<Run<T>, RunError<E>>
+    where
+        F: FnOnce(u64) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize,
+    {
         match mode {
             Mode::Idempotent => match self
                 .mark(namespace, key, opts.ttl_ms, opts.fingerprint, None)
@@ -319,7 +350,10 @@ impl Gate {
                 .map_err(RunError::Gate)?
             {
                 Mark::Duplicate { record } => Ok(Run::Duplicate(record)),
-                Mark::New { .. } => handler().await.map(Run::Ran).map_err(RunError::Handler),
+                Mark::New { record } => handler(record.fence)
+                    .await
+                    .map(Run::Ran)
+                    .map_err(RunError::Handler),
             },
             Mode::Retriable => {
                 let lease_ms = opts.lease_ms.unwrap_or(self.defaults.lease_ms);
@@ -332,7 +366,7 @@ impl Gate {
                     Claim::New(lease) => lease,
                 };
                 let outcome = self
-                    .while_held(namespace, key, &lease.token, lease_ms, handler())
+                    .while_held(namespace, key, &lease.token, lease_ms, handler(lease.fence))
                     .await;
                 match outcome {
                     Ok(value) => {
@@ -513,6 +547,53 @@ mod tests {
         assert!(!run().await.unwrap().ran(), "within the ttl");
         clock.advance(1_500);
         assert!(run().await.unwrap().ran(), "after the ttl");
+    }
+
+    /// The handler is given the run's fence: a later claim of the key (after a release, or a
+    /// mark after the ttl) gets a higher one, which is what lets a sink refuse a stale holder.
+    #[tokio::test]
+    async fn successive_runs_of_a_key_are_given_increasing_fences() {
+        let gate = Gate::new(MemoryStore::new());
+        let fails = |fence| async move { Err::<(), _>(fence) };
+        let first = gate
+            .run_fenced("jobs", "a", Mode::Retriable, ClaimOptions::default(), fails)
+            .await;
+        let Err(RunError::Handler(first)) = first else {
+            panic!("{first:?}")
+        };
+        let second = gate
+            .run_fenced(
+                "jobs",
+                "a",
+                Mode::Retriable,
+                ClaimOptions::default(),
+                |fence| async move { Ok::<_, ()>(fence) },
+            )
+            .await;
+        let Ok(Run::Ran(second)) = second else {
+            panic!("{second:?}")
+        };
+        assert!(second > first, "fences {first} then {second}");
+
+        let clock = crate::ManualClock::new(1_000_000);
+        let gate = Gate::new(MemoryStore::with_clock(Arc::new(clock.clone())));
+        let opts = || ClaimOptions {
+            ttl_ms: Some(1_000),
+            ..Default::default()
+        };
+        let mark = || {
+            gate.run_fenced("jobs", "m", Mode::Idempotent, opts(), |fence| async move {
+                Ok::<_, ()>(fence)
+            })
+        };
+        let Ok(Run::Ran(first)) = mark().await else {
+            panic!("the first mark runs")
+        };
+        clock.advance(2_000);
+        let Ok(Run::Ran(second)) = mark().await else {
+            panic!("a mark after the ttl runs")
+        };
+        assert!(second > first, "marked fences {first} then {second}");
     }
 
     /// A retriable handler's failure says whether its claim was released: when the release

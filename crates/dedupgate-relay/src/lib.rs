@@ -53,7 +53,7 @@ use tokio::task::JoinSet;
 pub use config::{ConfigError, RelayConfig, RouteConfig};
 pub use metrics::Metrics;
 pub use route::{Route, SinkSpec, SourceSpec};
-pub use sink::{Sink, SinkError};
+pub use sink::{Outgoing, Sink, SinkError};
 #[allow(deprecated)]
 pub use source::KEY_HEADER;
 pub use source::{DEAD_LETTER_KEY_HEADER, IN_FLIGHT, REASON_HEADER, ROUTE_HEADER};

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Mutex;
 
-use super::{json_line, Header, Sink, SinkError};
+use super::{json_line, Outgoing, Sink, SinkError};
 
 /// JSON lines on standard output, flushed before confirming.
 pub struct StdoutSink {
@@ -24,7 +24,13 @@ impl StdoutSink {
 
 #[async_trait]
 impl Sink for StdoutSink {
-    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError> {
+    async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError> {
+        let Outgoing {
+            key,
+            payload,
+            headers,
+            ..
+        } = out;
         let mut line = json_line(key, payload, headers);
         line.push('\n');
         let mut out = self.out.lock().await;
@@ -68,7 +74,13 @@ impl FileSink {
 
 #[async_trait]
 impl Sink for FileSink {
-    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError> {
+    async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError> {
+        let Outgoing {
+            key,
+            payload,
+            headers,
+            ..
+        } = out;
         let mut line = json_line(key, payload, headers);
         line.push('\n');
         // One writer at a time: a line is never interleaved with another.

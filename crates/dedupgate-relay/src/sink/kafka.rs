@@ -10,7 +10,7 @@ use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::message::{Header as KHeader, OwnedHeaders};
 use dedupgate_consumers::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 
-use super::{Header, Sink, SinkError, KEY_HEADER};
+use super::{Outgoing, Sink, SinkError, KEY_HEADER};
 
 /// How long a send may wait for its delivery report (librdkafka retries inside it).
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -49,7 +49,13 @@ impl KafkaSink {
 
 #[async_trait]
 impl Sink for KafkaSink {
-    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError> {
+    async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError> {
+        let Outgoing {
+            key,
+            payload,
+            headers,
+            ..
+        } = out;
         let mut kafka_headers =
             OwnedHeaders::new_with_capacity(headers.len() + 1).insert(KHeader {
                 key: KEY_HEADER,

@@ -68,11 +68,26 @@ impl Permanence for SinkError {
     }
 }
 
+/// One message for a sink.
+#[derive(Clone, Copy, Debug)]
+pub struct Outgoing<'a> {
+    /// The gate key (empty: a dead letter whose key could not be made).
+    pub key: &'a str,
+    /// The payload bytes, as the source delivered them.
+    pub payload: &'a [u8],
+    /// Extra headers (a dead letter's reason, route and key).
+    pub headers: &'a [Header],
+    /// The gate's fencing token for this forward; `None` for a dead letter, which no gate
+    /// claim covers. A sink that can refuse stale writes (a versioned upsert) or pass it on
+    /// (a webhook header) uses it.
+    pub fence: Option<u64>,
+}
+
 /// A destination that confirms what it received.
 #[async_trait]
 pub trait Sink: Send + Sync + 'static {
     /// Sends one message and returns once the destination confirmed it.
-    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError>;
+    async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError>;
 }
 
 /// Opens the sink `spec` names (connects, for a broker).

@@ -9,7 +9,7 @@
 use async_nats::jetstream;
 use async_trait::async_trait;
 
-use super::{Header, Sink, SinkError};
+use super::{Outgoing, Sink, SinkError};
 
 pub struct NatsSink {
     name: String,
@@ -36,7 +36,13 @@ impl NatsSink {
 
 #[async_trait]
 impl Sink for NatsSink {
-    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError> {
+    async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError> {
+        let Outgoing {
+            key,
+            payload,
+            headers,
+            ..
+        } = out;
         let failed = |reason: String| SinkError::Send {
             sink: self.name.clone(),
             reason,

@@ -12,7 +12,7 @@ use lapin::{BasicProperties, Channel, Connection};
 
 use sha2::{Digest, Sha256};
 
-use super::{Header, Sink, SinkError, KEY_HEADER};
+use super::{Outgoing, Sink, SinkError, KEY_HEADER};
 
 /// The longest AMQP shortstr, and so the longest `message_id`.
 const SHORTSTR_BYTES_MAX: usize = 255;
@@ -69,7 +69,13 @@ impl AmqpSink {
 
 #[async_trait]
 impl Sink for AmqpSink {
-    async fn send(&self, key: &str, payload: &[u8], headers: &[Header]) -> Result<(), SinkError> {
+    async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError> {
+        let Outgoing {
+            key,
+            payload,
+            headers,
+            ..
+        } = out;
         let failed = |reason: String| SinkError::Send {
             sink: self.name.clone(),
             reason,

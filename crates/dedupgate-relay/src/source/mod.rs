@@ -29,7 +29,7 @@ use dedupgate_consumers::{Action, Handled, Message, Unsettled};
 use dedupgate_core::Mode;
 
 use crate::metrics::RouteMetrics;
-use crate::sink::{Header, Sink, SinkError};
+use crate::sink::{Header, Outgoing, Sink, SinkError};
 
 /// Dead letters carry why in this header, the consumers crate's (as the Kafka consumer's do).
 pub use dedupgate_consumers::REASON_HEADER;
@@ -74,7 +74,14 @@ impl Forward {
             let sink = sink.clone();
             let metrics = metrics.clone();
             Box::pin(async move {
-                let sent = sink.send(&msg.key, &msg.payload, &[]).await;
+                let sent = sink
+                    .send(Outgoing {
+                        key: &msg.key,
+                        payload: &msg.payload,
+                        headers: &[],
+                        fence: Some(msg.fence),
+                    })
+                    .await;
                 match &sent {
                     Ok(()) => RouteMetrics::bump(&metrics.forwarded),
                     Err(e) => {
@@ -199,10 +206,14 @@ impl Forward {
         if !key.is_empty() {
             headers.push((DEAD_LETTER_KEY_HEADER.into(), key.as_bytes().to_vec()));
         }
-        let sent = match dead.send(key, payload, &headers).await {
-            Err(SinkError::Refused { .. }) if !key.is_empty() => {
-                dead.send("", payload, &headers).await
-            }
+        let letter = |key| Outgoing {
+            key,
+            payload,
+            headers: &headers,
+            fence: None,
+        };
+        let sent = match dead.send(letter(key)).await {
+            Err(SinkError::Refused { .. }) if !key.is_empty() => dead.send(letter("")).await,
             sent => sent,
         };
         match sent {
