@@ -150,6 +150,12 @@ impl RouteConfig {
                 ));
             }
         }
+        if matches!(dead_letter, Some(SinkSpec::Postgres(_))) {
+            return Err(field(
+                "dead_letter",
+                "a PostgreSQL upsert sink takes forwards only: a dead letter has no version to write".into(),
+            ));
+        }
         check_transactional(&source, &sink, mode, dead_letter.as_ref())
             .map_err(|(name, reason)| field(name, reason))?;
         Ok(Route {

@@ -14,7 +14,8 @@
 //! - [`RouteConfig`] and [`RelayConfig`] (`config`): a route as flags or a TOML `[[route]]`
 //!   gives it, checked into a [`Route`] ([`ConfigError`]).
 //! - [`sink`]: the [`Sink`] trait (`send` returns once the destination confirmed) and its
-//!   stdout, file, Kafka, RabbitMQ and JetStream forms, opened by [`sink::open`].
+//!   stdout, file, Kafka, RabbitMQ, JetStream, HTTP webhook and PostgreSQL upsert forms,
+//!   opened by [`sink::open`]; [`Outgoing`] carries the gate's fence to it.
 //! - A Kafka source with a `kafka://…/TOPIC?transactional=ID` sink runs as one
 //!   [`TransactionalPipe`](dedupgate_consumers::kafka::TransactionalPipe) (`source::kafka_pipe`):
 //!   the records produced and the offsets consumed commit in one Kafka transaction.
@@ -24,8 +25,8 @@
 //! - [`Metrics`] (`metrics`): counters per route, served as Prometheus text on `/metrics`.
 //! - [`run`]: every route at once until the shutdown future resolves.
 //!
-//! Brokers are behind the cargo features `kafka`, `rabbitmq` and `nats`; stdout and file sinks
-//! need none. A route whose broker is not built is refused when the relay starts.
+//! Brokers are behind the cargo features `kafka`, `rabbitmq` and `nats`, the webhook sink
+//! behind `webhook` and the PostgreSQL sink behind `postgres`; stdout and file sinks need none. A route whose broker is not built is refused when the relay starts.
 
 // A build with no broker still parses routes and opens stdout and file sinks; the sources'
 // shared machinery is then unused.
@@ -160,17 +161,20 @@ pub async fn run(
             route: route.name.clone(),
             cause,
         };
-        let sink = sink::open(&route.sink).await.map_err(opened)?;
+        let route_metrics = metrics.add(&route.name);
+        let sink = sink::open(&route.sink, &route_metrics)
+            .await
+            .map_err(opened)?;
         let dead_letter = match (&route.source, &route.dead_letter) {
             // The Kafka consumer dead-letters through its own producer.
             (SourceSpec::Kafka { .. }, _) | (_, None) => None,
-            (_, Some(spec)) => Some(sink::open(spec).await.map_err(opened)?),
+            (_, Some(spec)) => Some(sink::open(spec, &route_metrics).await.map_err(opened)?),
         };
         let forward = source::Forward {
             route: route.name.clone(),
             sink,
             dead_letter,
-            metrics: metrics.add(&route.name),
+            metrics: route_metrics,
             mode: route.mode,
             unsettled: cg.unsettled(),
         };

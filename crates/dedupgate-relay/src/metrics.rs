@@ -1,6 +1,7 @@
 //! Counters per route and `/metrics` in Prometheus text format. Names follow
-//! `dedupgate_relay_<noun>_total` (and the gauge `dedupgate_relay_kafka_lag_records`); the only label is the route's name (bounded: one per route,
-//! never a key).
+//! `dedupgate_relay_<noun>_total` (and the gauge `dedupgate_relay_kafka_lag_records`); the
+//! labels are the route's name (bounded: one per route, never a key) and, for
+//! `dedupgate_relay_sink_rows_total`, the `outcome` (`applied` or `stale`).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +38,11 @@ pub struct RouteMetrics {
     /// Transactional routes: Kafka transactions aborted (their claims released, their records
     /// consumed and forwarded again).
     pub transactions_aborted: AtomicU64,
+    /// PostgreSQL upsert sinks: rows written (a new key, or a higher version).
+    pub sink_rows_applied: AtomicU64,
+    /// PostgreSQL upsert sinks: rows refused as stale (the stored version was as high or
+    /// higher); the message is confirmed all the same.
+    pub sink_rows_stale: AtomicU64,
     /// Kafka sources: records past the group's committed offsets at the last read; `u64::MAX`
     /// until read (and for other sources), when it is not exported.
     pub kafka_lag: AtomicU64,
@@ -55,6 +61,8 @@ impl Default for RouteMetrics {
             source_errors: AtomicU64::new(0),
             transactions_committed: AtomicU64::new(0),
             transactions_aborted: AtomicU64::new(0),
+            sink_rows_applied: AtomicU64::new(0),
+            sink_rows_stale: AtomicU64::new(0),
             kafka_lag: AtomicU64::new(LAG_UNKNOWN),
         }
     }
@@ -166,6 +174,24 @@ impl Metrics {
                 let _ = writeln!(out, "{name}{{route=\"{}\"}} {value}", escape(route));
             }
         }
+        let rows = "dedupgate_relay_sink_rows_total";
+        let _ = writeln!(
+            out,
+            "# HELP {rows} Rows an upsert sink wrote (applied) or refused as older than the stored one (stale).\n# TYPE {rows} counter"
+        );
+        for (route, m) in &self.routes {
+            for (outcome, counter) in [
+                ("applied", &m.sink_rows_applied),
+                ("stale", &m.sink_rows_stale),
+            ] {
+                let value = counter.load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "{rows}{{route=\"{}\",outcome=\"{outcome}\"}} {value}",
+                    escape(route)
+                );
+            }
+        }
         let lag = "dedupgate_relay_kafka_lag_records";
         let _ = writeln!(
             out,
@@ -259,6 +285,10 @@ mod tests {
             !text.contains("dedupgate_relay_kafka_lag_records{"),
             "{text}"
         );
+        RouteMetrics::bump(&a.sink_rows_stale);
+        assert!(metrics
+            .render()
+            .contains("dedupgate_relay_sink_rows_total{route=\"a\",outcome=\"stale\"} 1\n"));
         a.set_kafka_lag(7);
         assert!(metrics
             .render()

@@ -12,6 +12,8 @@
 //! | `nats://HOST:PORT/SUBJECT` | — | JetStream publish, `Nats-Msg-Id` = key, PubAck awaited |
 //! | `stdout:` | — | JSON lines on stdout |
 //! | `file:PATH` | — | JSON lines appended to `PATH`, fsync'd before confirming |
+//! | `http://HOST:PORT/PATH`, `https://…` | — | webhook: POST with `Idempotency-Key` and `Dedupgate-Fence`; 2xx confirms, 408/429/5xx retried, other 4xx dead-lettered |
+//! | `postgres://USER@HOST:PORT/DB?table=T[&key_column=K][&payload_column=P][&version_column=V][&version=fence\|FIELD]` | — | upsert by key, refusing a row whose version is not higher than the stored one ([`PgUpsert`]) |
 //!
 //! Query values are taken literally (no percent-decoding); the AMQP URL's other parts (the
 //! `%2f` vhost, credentials) are passed to the client as written.
@@ -89,6 +91,92 @@ pub enum SinkSpec {
         /// The subject.
         subject: String,
     },
+    /// An HTTP(S) endpoint each message is POSTed to.
+    Webhook {
+        /// The URL, as written.
+        url: String,
+    },
+    /// A PostgreSQL table upserted by key, stale versions refused.
+    Postgres(PgUpsert),
+}
+
+/// Where a PostgreSQL upsert sink takes a row's version from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PgVersion {
+    /// The gate's fencing token: it grows with every new claim of a key.
+    Fence,
+    /// An integer field at the top level of the JSON payload (an event's sequence number).
+    Field(String),
+}
+
+/// A PostgreSQL upsert sink: the connection and the table's names, each identifier checked
+/// (ASCII letters, digits and `_`, not starting with a digit, at most 63 bytes; the table may
+/// be `schema.table`), so the statement quoting them is safe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PgUpsert {
+    /// The connection URL without the sink's own parameters (as tokio-postgres reads it).
+    pub conninfo: String,
+    /// `table=`: the table, or `schema.table`.
+    pub table: String,
+    /// `key_column=` (default `key`): text, unique (the conflict target).
+    pub key_column: String,
+    /// `payload_column=` (default `payload`): jsonb.
+    pub payload_column: String,
+    /// `version_column=` (default `version`): bigint.
+    pub version_column: String,
+    /// `version=fence` (default) or `version=FIELD`.
+    pub version: PgVersion,
+}
+
+/// PostgreSQL's identifier length limit (NAMEDATALEN − 1).
+const PG_IDENTIFIER_BYTES_MAX: usize = 63;
+
+/// `name` if it is a plain identifier, else why not.
+fn pg_identifier(name: &str) -> Result<(), String> {
+    let plain = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && name.bytes().next().is_some_and(|b| !b.is_ascii_digit());
+    if !plain || name.len() > PG_IDENTIFIER_BYTES_MAX {
+        return Err(format!(
+            "{name:?} is not a plain identifier (ASCII letters, digits and _, not starting with a digit, 1 to {PG_IDENTIFIER_BYTES_MAX} bytes)"
+        ));
+    }
+    Ok(())
+}
+
+/// An identifier as SQL text, quoted (checked plain, so no quote to double).
+fn quoted(name: &str) -> String {
+    format!("\"{name}\"")
+}
+
+impl PgUpsert {
+    /// The upsert: a new key inserted, a known one overwritten only by a higher version.
+    pub fn upsert_sql(&self) -> String {
+        let table = self
+            .table
+            .split('.')
+            .map(quoted)
+            .collect::<Vec<_>>()
+            .join(".");
+        let (k, p, v) = (
+            quoted(&self.key_column),
+            quoted(&self.payload_column),
+            quoted(&self.version_column),
+        );
+        format!(
+            "INSERT INTO {table} AS stored ({k}, {p}, {v}) VALUES ($1::text, $2::text::jsonb, $3::bigint) \
+             ON CONFLICT ({k}) DO UPDATE SET {p} = EXCLUDED.{p}, {v} = EXCLUDED.{v} \
+             WHERE stored.{v} < EXCLUDED.{v}"
+        )
+    }
+}
+
+impl std::fmt::Display for PgUpsert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let conninfo = redacted(&self.conninfo);
+        let conninfo = conninfo.split('?').next().unwrap_or_default();
+        write!(f, "{conninfo} (table {})", self.table)
+    }
 }
 
 /// A route, checked: what [`crate::run`] relays.
@@ -178,7 +266,7 @@ impl<'a> Parts<'a> {
         Ok((host, name))
     }
 
-    /// The AMQP URI as lapin reads it, without the relay's parameters.
+    /// The URL as its client reads it (lapin, tokio-postgres), without the relay's parameters.
     fn amqp_uri(&self) -> String {
         let mut uri = format!("{}://{}", self.scheme, self.base);
         for (i, (n, v)) in self.query.iter().enumerate() {
@@ -207,7 +295,8 @@ fn required<'a>(url: &str, value: Option<&'a str>, name: &str) -> Result<&'a str
     }
 }
 
-const SCHEMES: &str = "kafka://, amqp://, amqps://, nats://, stdout: or file:PATH";
+const SCHEMES: &str =
+    "kafka://, amqp://, amqps://, nats://, http://, https://, postgres://, stdout: or file:PATH";
 
 impl std::str::FromStr for SourceSpec {
     type Err = ConfigError;
@@ -307,12 +396,67 @@ impl std::str::FromStr for SinkSpec {
                     subject: subject.to_owned(),
                 })
             }
+            // The whole URL is the endpoint, its query included.
+            "http" | "https" => {
+                if p.base
+                    .split(['/', '?'])
+                    .next()
+                    .unwrap_or_default()
+                    .is_empty()
+                {
+                    return Err(bad(url, "no host"));
+                }
+                Ok(Self::Webhook {
+                    url: url.to_owned(),
+                })
+            }
+            "postgres" | "postgresql" => pg_upsert(url, p).map(Self::Postgres),
             other => Err(bad(
                 url,
                 format!("unknown sink scheme {other:?}: a sink is {SCHEMES}"),
             )),
         }
     }
+}
+
+/// A `postgres://` sink URL: the sink's parameters taken out and checked, the rest passed on.
+fn pg_upsert(url: &str, mut p: Parts<'_>) -> Result<PgUpsert, ConfigError> {
+    let table = required(url, p.take("table"), "table")?.to_owned();
+    let column = |p: &mut Parts<'_>, name: &str, default: &str| {
+        let column = p.take(name).unwrap_or(default).to_owned();
+        pg_identifier(&column).map_err(|why| bad(url, format!("{name}=: {why}")))?;
+        Ok::<_, ConfigError>(column)
+    };
+    let key_column = column(&mut p, "key_column", "key")?;
+    let payload_column = column(&mut p, "payload_column", "payload")?;
+    let version_column = column(&mut p, "version_column", "version")?;
+    let version = match p.take("version") {
+        None | Some("fence") => PgVersion::Fence,
+        Some(field) if !field.is_empty() => PgVersion::Field(field.to_owned()),
+        Some(_) => return Err(bad(url, "version= is fence or a payload field's name")),
+    };
+    let (schema, name) = match table.split_once('.') {
+        Some((schema, name)) => (Some(schema), name),
+        None => (None, table.as_str()),
+    };
+    for part in schema.into_iter().chain([name]) {
+        pg_identifier(part).map_err(|why| bad(url, format!("table=: {why}")))?;
+    }
+    if [&payload_column, &version_column].contains(&&key_column) || payload_column == version_column
+    {
+        return Err(bad(
+            url,
+            "key_column=, payload_column= and version_column= must be three different columns",
+        ));
+    }
+    Ok(PgUpsert {
+        conninfo: p.amqp_uri(),
+        table,
+        key_column,
+        payload_column,
+        version_column,
+        version,
+    })
 }
 
 impl SinkSpec {
@@ -351,6 +495,8 @@ impl std::fmt::Display for SinkSpec {
                 "amqp (exchange {exchange:?}, routing key {routing_key:?})"
             ),
             Self::Nats { server, subject } => write!(f, "{server}/{subject}"),
+            Self::Webhook { url } => f.write_str(&redacted(url)),
+            Self::Postgres(upsert) => upsert.fmt(f),
         }
     }
 }
@@ -463,5 +609,70 @@ mod tests {
         assert!(err("kafka://h:1/t?group=g").contains("unknown parameter"));
         assert!(err("kafka://h:1/t?transactional=").contains("transactional= needs an id"));
         assert!(err("s3://b/k").contains("unknown sink scheme"));
+    }
+
+    #[test]
+    fn webhook_sinks_keep_the_whole_url() {
+        assert_eq!(
+            "https://h:8443/hooks/in?x=1".parse::<SinkSpec>().unwrap(),
+            SinkSpec::Webhook {
+                url: "https://h:8443/hooks/in?x=1".into()
+            }
+        );
+        let secret: SinkSpec = "http://u:s3cret@h/p".parse().unwrap();
+        assert_eq!(secret.to_string(), "http://u:***@h/p");
+        let err = "http:///p".parse::<SinkSpec>().unwrap_err().to_string();
+        assert!(err.contains("no host"), "{err}");
+    }
+
+    #[test]
+    fn postgres_sinks_parse_with_defaults_and_refuse_unsafe_names() {
+        let SinkSpec::Postgres(pg) = "postgres://u:pw@h:5432/db?table=orders&sslmode=disable"
+            .parse::<SinkSpec>()
+            .unwrap()
+        else {
+            panic!("a postgres sink")
+        };
+        assert_eq!(pg.conninfo, "postgres://u:pw@h:5432/db?sslmode=disable");
+        assert_eq!(
+            (&*pg.key_column, &*pg.payload_column, &*pg.version_column),
+            ("key", "payload", "version")
+        );
+        assert_eq!(pg.version, PgVersion::Fence);
+        assert_eq!(pg.to_string(), "postgres://u:***@h:5432/db (table orders)");
+        assert!(pg.upsert_sql().contains(
+            r#"ON CONFLICT ("key") DO UPDATE SET "payload" = EXCLUDED."payload", "version" = EXCLUDED."version" WHERE stored."version" < EXCLUDED."version""#
+        ));
+        let SinkSpec::Postgres(pg) =
+            "postgres://h/db?table=app.state&key_column=id&version=seq&payload_column=doc&version_column=v"
+                .parse::<SinkSpec>()
+                .unwrap()
+        else {
+            panic!("a postgres sink")
+        };
+        assert_eq!(pg.version, PgVersion::Field("seq".into()));
+        assert!(pg
+            .upsert_sql()
+            .starts_with(r#"INSERT INTO "app"."state" AS stored ("id", "doc", "v")"#));
+
+        let err = |u: &str| u.parse::<SinkSpec>().unwrap_err().to_string();
+        assert!(err("postgres://h/db").contains("table= is required"));
+        for bad in [
+            "orders;drop table x",
+            "a.b.c",
+            "\"q\"",
+            "1st",
+            "t-1",
+            &"t".repeat(64),
+        ] {
+            let e = err(&format!("postgres://h/db?table={bad}"));
+            assert!(
+                e.contains("table=") && e.contains("not a plain identifier"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(err("postgres://h/db?table=t&key_column=k%22").contains("key_column="));
+        assert!(err("postgres://h/db?table=t&key_column=payload").contains("three different"));
+        assert!(err("postgres://h/db?table=t&version=").contains("version= is fence"));
     }
 }

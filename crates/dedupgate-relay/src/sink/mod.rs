@@ -3,21 +3,27 @@
 //! so a confirmed message is never lost and an unconfirmed one is delivered again.
 //!
 //! One file per sink: `stdout` and `file` (JSON lines, [`json_line`]), `kafka` (idempotent
-//! producer), `rabbitmq` (publisher confirms), `nats` (JetStream PubAck).
+//! producer), `rabbitmq` (publisher confirms), `nats` (JetStream PubAck), `webhook` (an HTTP
+//! POST answered 2xx) and `postgres` (a versioned upsert, committed).
 
 mod file;
 #[cfg(feature = "kafka")]
 mod kafka;
 #[cfg(feature = "nats")]
 mod nats;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "rabbitmq")]
 mod rabbitmq;
+#[cfg(feature = "webhook")]
+mod webhook;
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use dedupgate_consumers::Permanence;
 
+use crate::metrics::RouteMetrics;
 use crate::route::SinkSpec;
 
 /// The header (Kafka, NATS) or AMQP property that carries the gate key at a broker sink.
@@ -90,8 +96,12 @@ pub trait Sink: Send + Sync + 'static {
     async fn send(&self, out: Outgoing<'_>) -> Result<(), SinkError>;
 }
 
-/// Opens the sink `spec` names (connects, for a broker).
-pub async fn open(spec: &SinkSpec) -> Result<Arc<dyn Sink>, SinkError> {
+/// Opens the sink `spec` names (connects, for a broker or a database); a sink that counts what
+/// it wrote (the PostgreSQL upsert's applied and stale rows) counts into `metrics`.
+pub async fn open(
+    spec: &SinkSpec,
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] metrics: &Arc<RouteMetrics>,
+) -> Result<Arc<dyn Sink>, SinkError> {
     match spec {
         SinkSpec::Stdout => Ok(Arc::new(file::StdoutSink::new())),
         SinkSpec::File(path) => Ok(Arc::new(file::FileSink::open(path).await?)),
@@ -121,6 +131,14 @@ pub async fn open(spec: &SinkSpec) -> Result<Arc<dyn Sink>, SinkError> {
         SinkSpec::Nats { server, subject } => {
             Ok(Arc::new(nats::NatsSink::connect(server, subject).await?))
         }
+        #[cfg(feature = "webhook")]
+        SinkSpec::Webhook { url } => {
+            Ok(Arc::new(webhook::WebhookSink::new(url, spec.to_string())?))
+        }
+        #[cfg(feature = "postgres")]
+        SinkSpec::Postgres(upsert) => Ok(Arc::new(
+            postgres::PostgresSink::connect(upsert, metrics.clone()).await?,
+        )),
         #[allow(unreachable_patterns)]
         other => Err(SinkError::NotBuilt(other.to_string())),
     }
