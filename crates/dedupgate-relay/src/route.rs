@@ -657,6 +657,7 @@ mod tests {
 
         let err = |u: &str| u.parse::<SinkSpec>().unwrap_err().to_string();
         assert!(err("postgres://h/db").contains("table= is required"));
+        assert!(err("postgres://relay@h/db?table=a;b").contains("postgres://relay@h/db?"));
         for bad in [
             "orders;drop table x",
             "a.b.c",

@@ -20,6 +20,8 @@ Source and sink URLs:
   nats://HOST:PORT/STREAM?consumer=C               source: a JetStream durable pull consumer
   nats://HOST:PORT/SUBJECT                         sink: JetStream, Nats-Msg-Id = gate key
   stdout:   file:PATH                              sinks: JSON lines (file: fsync'd)
+  http://HOST:PORT/PATH   https://…               sink: webhook POST, Idempotency-Key, Dedupgate-Fence
+  postgres://USER@HOST:PORT/DB?table=T             sink: upsert by key, stale versions refused
 The source is acked or committed only after the sink confirmed (docs/relay.md).
 
 Exit status:

@@ -22,7 +22,8 @@ pub struct RelayArgs {
     from: Option<String>,
     /// The sink: kafka://HOST:PORT/TOPIC (from a Kafka source, ?transactional=ID: records and
     /// consumed offsets in one transaction), amqp://…/VHOST?exchange=X&routing_key=K,
-    /// nats://HOST:PORT/SUBJECT, stdout:, file:PATH.
+    /// nats://HOST:PORT/SUBJECT, http(s)://HOST:PORT/PATH (webhook),
+    /// postgres://USER@HOST:PORT/DB?table=T (upsert), stdout:, file:PATH.
     #[arg(long, value_name = "SINK", required_unless_present = "config")]
     to: Option<String>,
     /// Key template over the JSON payload ({order.id}, {ts|window:5m}) [default: the source's
