@@ -2,7 +2,8 @@
 //! default `postgres://postgres@127.0.0.1:5432/test`), a fresh table per test: rows applied, a
 //! lower version after a higher one refused as stale (and acked), the gate's fence as the
 //! version (a takeover's write wins over the stale holder's late one), the counters on
-//! `/metrics`, and names refused before anything connects.
+//! `/metrics`, names refused before anything connects; and a route from the machine's NATS
+//! JetStream (`DEDUPGATE_TEST_NATS_URL`) with duplicates, one row per key.
 
 use std::sync::Arc;
 
@@ -210,4 +211,93 @@ async fn bad_names_are_refused_when_the_route_is_checked_and_a_missing_table_whe
         Err(other) => panic!("an open error: {other}"),
         Ok(_) => panic!("a missing table fails the open"),
     }
+}
+
+/// A JetStream source with copies of earlier keys, relayed to the upsert sink: one row per key,
+/// each written once (applied, none stale: a copy is a duplicate at the gate, never forwarded),
+/// with its claim's fence as the version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_nats_route_writes_each_key_once_with_its_fence() {
+    const M: usize = 40;
+    const DISTINCT: usize = 30;
+    let db = client().await;
+    let t = table(&db, "relay_pg_route", ["key", "payload", "version"]).await;
+    let nats =
+        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let js = async_nats::jetstream::new(
+        async_nats::connect(&nats)
+            .await
+            .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {nats}: {e}")),
+    );
+    let stream = t.replace('_', "-");
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![format!("{stream}.>")],
+        max_age: std::time::Duration::from_secs(600),
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    for i in 0..M {
+        let payload = format!(r#"{{"id":"k-{}","n":{i}}}"#, i % DISTINCT);
+        js.publish(format!("{stream}.in"), payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let route = RouteConfig {
+        name: Some("pg".into()),
+        from: format!("{nats}/{stream}?consumer=relay"),
+        to: format!("{}?table={t}", pg_url()),
+        key: Some("{id}".into()),
+        ..Default::default()
+    }
+    .check(0)
+    .expect("route");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(async move {
+        dedupgate_relay::run(vec![(route, Gate::new(MemoryStore::new()))], None, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let rows = format!("SELECT count(*) FROM {t}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while db.query_one(&rows, &[]).await.unwrap().get::<_, i64>(0) < DISTINCT as i64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for the rows"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let _ = stop.send(());
+    let metrics = relay.await.unwrap().expect("relay");
+    let m = metrics.route("pg").expect("route metrics");
+    assert_eq!(
+        (count(&m.sink_rows_applied), count(&m.sink_rows_stale)),
+        (DISTINCT as u64, 0)
+    );
+    assert_eq!(count(&m.forwarded), DISTINCT as u64);
+    // Each row holds one of its key's messages (whichever copy claimed first), with a fence as
+    // its version.
+    let stored = db
+        .query(
+            &format!("SELECT key, (payload->>'n')::int, version FROM {t}"),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), DISTINCT);
+    for r in stored {
+        let (key, n, version): (String, i32, i64) = (r.get(0), r.get(1), r.get(2));
+        assert_eq!(
+            format!("k-{}", n as usize % DISTINCT),
+            key,
+            "a message of its key"
+        );
+        assert!(version > 0, "{key}: version {version}");
+    }
+    db.batch_execute(&format!("DROP TABLE {t}")).await.unwrap();
 }
