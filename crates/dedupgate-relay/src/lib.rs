@@ -26,7 +26,8 @@
 //! - [`run`]: every route at once until the shutdown future resolves.
 //!
 //! Brokers are behind the cargo features `kafka`, `rabbitmq` and `nats`, the webhook sink
-//! behind `webhook` and the PostgreSQL sink behind `postgres`; stdout and file sinks need none. A route whose broker is not built is refused when the relay starts.
+//! behind `webhook` and the PostgreSQL sink behind `postgres`; stdout and file sinks need none.
+//! A route whose broker or sink is not built is refused when the relay starts.
 
 // A build with no broker still parses routes and opens stdout and file sinks; the sources'
 // shared machinery is then unused.
