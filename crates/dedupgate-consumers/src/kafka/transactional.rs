@@ -140,6 +140,8 @@ pub struct Input {
     pub record: Record,
     /// This pipe's attempt at the record, from 1 (a failed handler is retried in process).
     pub attempt: u32,
+    /// The gate's fencing token of this attempt's claim (as [`crate::Message::fence`]).
+    pub fence: u64,
 }
 
 /// One record for the handler to produce.
@@ -691,6 +693,7 @@ impl TransactionalPipe {
                 key: key.clone(),
                 record: record.clone(),
                 attempt,
+                fence: lease.fence,
             };
             let outcome = self
                 .renewing(std::slice::from_ref(&held), handler(input))
