@@ -173,7 +173,7 @@ impl PgUpsert {
 
 impl std::fmt::Display for PgUpsert {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let conninfo = redacted(&self.conninfo);
+        let conninfo = dedupgate_stores::redact(&self.conninfo);
         let conninfo = conninfo.split('?').next().unwrap_or_default();
         write!(f, "{conninfo} (table {})", self.table)
     }
@@ -495,7 +495,7 @@ impl std::fmt::Display for SinkSpec {
                 "amqp (exchange {exchange:?}, routing key {routing_key:?})"
             ),
             Self::Nats { server, subject } => write!(f, "{server}/{subject}"),
-            Self::Webhook { url } => f.write_str(&redacted(url)),
+            Self::Webhook { url } => f.write_str(&dedupgate_stores::redact(url)),
             Self::Postgres(upsert) => upsert.fmt(f),
         }
     }
