@@ -12,7 +12,8 @@
 #     (retriable: claim, forward, complete; the embedded store, every answer fsync'd), timed
 #     from the first sample of /metrics with a forwarded record to the sample with all N
 #     (sampled every 50 ms);
-#   - the same relay over the `memory:` store (no fsync): what the gate costs without the disk.
+#   - the same relay over the embedded store on tmpfs (/dev/shm: the engine's work, syncs free),
+#   - and over the `memory:` store (no engine): what the gate costs without engine or disk.
 # Then the disk's own ceiling: fdatasync/s of a 4 KiB write loop in the same directory.
 # The CPU each loop and the broker spent (user + system, from /proc and GNU time) per 1,000
 # records shows where the cores went: the three share the machine's cores with the broker.
@@ -96,32 +97,41 @@ print("%.0f" % (n / (time.monotonic() - t0)))
 PY
 }
 
-echo "| round | plain records/s | relay, embedded store | relay, memory: store | relay/plain | memory relay/plain |"
-echo "|---|---|---|---|---|---|"
-ratios=() mratios=() cpu_rows=()
+# The embedded store on tmpfs: the engine's own work with syncs that cost nothing (what the
+# disk's sync latency adds is the gap to the embedded column). Skipped when /dev/shm is absent.
+SHM=""
+[ -d /dev/shm ] && [ -w /dev/shm ] && SHM=$(mktemp -d /dev/shm/dedupgate-bench-relay.XXXXXX)
+trap 'cleanup; [ -z "$SHM" ] || rm -rf "$SHM"' EXIT
+echo "| round | plain records/s | relay, embedded store | relay, embedded on tmpfs | relay, memory: store | relay/plain | tmpfs relay/plain | memory relay/plain |"
+echo "|---|---|---|---|---|---|---|---|"
+ratios=() tratios=() mratios=() cpu_rows=()
 for r in $(seq 1 "$ROUNDS"); do
   "$BENCH" produce "$B" "in-$r" "$N" "$PARTS" >/dev/null
   if (( r % 2 )); then
     out=$(run_plain "$r"); read -r p pc pb <<<"$out"; out=$(run_relay "$r" relay "$WORK/store-$r"); read -r g gc gb <<<"$out"
     out=$(run_relay "$r" relaymem memory:); read -r m mc mb <<<"$out"
+    out=$(run_relay "$r" relayshm "${SHM:-$WORK}/store-shm-$r"); read -r t tc tb <<<"$out"
   else
+    out=$(run_relay "$r" relayshm "${SHM:-$WORK}/store-shm-$r"); read -r t tc tb <<<"$out"
     out=$(run_relay "$r" relaymem memory:); read -r m mc mb <<<"$out"; out=$(run_relay "$r" relay "$WORK/store-$r"); read -r g gc gb <<<"$out"
     out=$(run_plain "$r"); read -r p pc pb <<<"$out"
   fi
   ratio=$(python3 -c "print('%.3f' % ($g / $p))")
   mratio=$(python3 -c "print('%.3f' % ($m / $p))")
-  ratios+=("$ratio") mratios+=("$mratio")
-  cpu_rows+=("| $r | $pc / $pb | $gc / $gb | $mc / $mb |")
-  echo "| $r | $p | $g | $m | $ratio | $mratio |"
+  tratio=$(python3 -c "print('%.3f' % ($t / $p))")
+  ratios+=("$ratio") tratios+=("$tratio") mratios+=("$mratio")
+  cpu_rows+=("| $r | $pc / $pb | $gc / $gb | $tc / $tb | $mc / $mb |")
+  echo "| $r | $p | $g | $t | $m | $ratio | $tratio | $mratio |"
 done
 echo
 echo "CPU ms per 1,000 records (the loop / the broker during it):"
 echo
-echo "| round | plain | relay, embedded store | relay, memory: store |"
-echo "|---|---|---|---|"
+echo "| round | plain | relay, embedded store | relay, embedded on tmpfs | relay, memory: store |"
+echo "|---|---|---|---|---|"
 printf '%s\n' "${cpu_rows[@]}"
 echo
 python3 -c "import statistics,sys; print('median relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${ratios[@]}"
+python3 -c "import statistics,sys; print('median tmpfs relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${tratios[@]}"
 python3 -c "import statistics,sys; print('median memory relay/plain: %.3f' % statistics.median(float(x) for x in sys.argv[1:]))" "${mratios[@]}"
 echo "disk: $(fsync_rate) fdatasync/s (4 KiB write + fdatasync loop, in $WORK)"
 echo "(N=$N records per round, $PARTS partitions, tansu memory storage, $(nproc) cores)"
