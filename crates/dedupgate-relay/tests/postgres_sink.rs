@@ -5,6 +5,8 @@
 //! `/metrics`, names refused before anything connects; and a route from the machine's NATS
 //! JetStream (`DEDUPGATE_TEST_NATS_URL`) with duplicates, one row per key.
 
+mod common;
+
 use std::sync::Arc;
 
 use dedupgate_core::{Claim, ClaimOptions, Gate, ManualClock, MemoryStore};
@@ -222,46 +224,19 @@ async fn a_nats_route_writes_each_key_once_with_its_fence() {
     const DISTINCT: usize = 30;
     let db = client().await;
     let t = table(&db, "relay_pg_route", ["key", "payload", "version"]).await;
-    let nats =
-        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let js = async_nats::jetstream::new(
-        async_nats::connect(&nats)
-            .await
-            .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {nats}: {e}")),
-    );
     let stream = t.replace('_', "-");
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream.clone(),
-        subjects: vec![format!("{stream}.>")],
-        max_age: std::time::Duration::from_secs(600),
-        ..Default::default()
-    })
-    .await
-    .expect("stream");
-    for i in 0..M {
-        let payload = format!(r#"{{"id":"k-{}","n":{i}}}"#, i % DISTINCT);
-        js.publish(format!("{stream}.in"), payload.into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    let route = RouteConfig {
-        name: Some("pg".into()),
-        from: format!("{nats}/{stream}?consumer=relay"),
-        to: format!("{}?table={t}", pg_url()),
-        key: Some("{id}".into()),
-        ..Default::default()
-    }
-    .check(0)
-    .expect("route");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(async move {
-        dedupgate_relay::run(vec![(route, Gate::new(MemoryStore::new()))], None, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let payloads = (0..M).map(|i| format!(r#"{{"id":"k-{}","n":{i}}}"#, i % DISTINCT));
+    let nats = common::jetstream_source(&stream, payloads).await;
+    let relay = common::start(
+        RouteConfig {
+            name: Some("pg".into()),
+            from: format!("{nats}/{stream}?consumer=relay"),
+            to: format!("{}?table={t}", pg_url()),
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        None,
+    );
     let rows = format!("SELECT count(*) FROM {t}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while db.query_one(&rows, &[]).await.unwrap().get::<_, i64>(0) < DISTINCT as i64 {
@@ -272,8 +247,7 @@ async fn a_nats_route_writes_each_key_once_with_its_fence() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-    let _ = stop.send(());
-    let metrics = relay.await.unwrap().expect("relay");
+    let metrics = relay.stop().await;
     let m = metrics.route("pg").expect("route metrics");
     assert_eq!(
         (count(&m.sink_rows_applied), count(&m.sink_rows_stale)),

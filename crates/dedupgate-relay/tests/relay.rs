@@ -20,45 +20,16 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{counter, free_port, key_of, scrape, unique, D, M};
+use common::{counter, free_port, key_of, scrape, start, unique, D, M};
 use dedupgate_consumers::kafka::rdkafka::config::ClientConfig;
 use dedupgate_consumers::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use dedupgate_consumers::kafka::rdkafka::message::{Headers, Message as _};
 use dedupgate_consumers::kafka::rdkafka::{Offset, TopicPartitionList};
-use dedupgate_core::{Gate, MemoryStore};
-use dedupgate_relay::{Metrics, RelayError, RouteConfig};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use dedupgate_relay::RouteConfig;
 
 /// How long a Kafka test waits for the source's offsets to be committed to the end (they are
 /// committed every 500 ms once settled; a guard against a hang).
 const COMMIT_DEADLINE: Duration = Duration::from_secs(30);
-
-/// A running relay and the way to stop it.
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<Metrics, RelayError>>,
-}
-
-fn start(route: RouteConfig, metrics_listen: Option<String>) -> Running {
-    let route = route.check(0).expect("route");
-    let gate = Gate::new(MemoryStore::new());
-    let (stop, stopped) = oneshot::channel();
-    let task = tokio::spawn(async move {
-        dedupgate_relay::run(vec![(route, gate)], metrics_listen.as_deref(), async {
-            let _ = stopped.await;
-        })
-        .await
-    });
-    Running { stop, task }
-}
-
-impl Running {
-    async fn stop(self) -> Metrics {
-        let _ = self.stop.send(());
-        self.task.await.expect("relay task").expect("relay")
-    }
-}
 
 /// The file sink's lines, by key: how many times each key came.
 fn file_keys(path: &Path) -> BTreeMap<String, usize> {

@@ -5,6 +5,8 @@
 //! `dedupgate_relay::run`: a JetStream source (the machine's NATS, `DEDUPGATE_TEST_NATS_URL`)
 //! with duplicates to the webhook, each key accepted exactly once.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,7 +15,6 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use dedupgate_core::{Gate, MemoryStore};
 use dedupgate_relay::metrics::RouteMetrics;
 use dedupgate_relay::{Outgoing, RouteConfig, Sink, SinkError, SinkSpec};
 
@@ -258,52 +259,20 @@ fn key_of(i: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nats_to_webhook_delivers_each_key_once_with_its_fence() {
-    use async_nats::jetstream;
-
     let (base, server) = serve().await;
-    let url =
-        std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let client = async_nats::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {url}: {e}"));
-    let js = jetstream::new(client);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let stream = format!("webhook-src-{}-{nanos}", std::process::id());
-    js.create_stream(jetstream::stream::Config {
-        name: stream.clone(),
-        subjects: vec![format!("{stream}.>")],
-        max_age: Duration::from_secs(600),
-        ..Default::default()
-    })
-    .await
-    .expect("stream");
-    for i in 0..M {
-        let k = key_of(i);
-        js.publish(format!("{stream}.in"), format!(r#"{{"id":"{k}"}}"#).into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    let route = RouteConfig {
-        name: Some("webhook".into()),
-        from: format!("{url}/{stream}?consumer=relay"),
-        to: format!("{base}/route"),
-        key: Some("{id}".into()),
-        ..Default::default()
-    }
-    .check(0)
-    .expect("route");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let relay = tokio::spawn(async move {
-        dedupgate_relay::run(vec![(route, Gate::new(MemoryStore::new()))], None, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let stream = common::unique("webhook-src");
+    let payloads = (0..M).map(|i| format!(r#"{{"id":"{}"}}"#, key_of(i)));
+    let url = common::jetstream_source(&stream, payloads).await;
+    let relay = common::start(
+        RouteConfig {
+            name: Some("webhook".into()),
+            from: format!("{url}/{stream}?consumer=relay"),
+            to: format!("{base}/route"),
+            key: Some("{id}".into()),
+            ..Default::default()
+        },
+        None,
+    );
     let accepted = || {
         let mut keys = BTreeMap::<String, Vec<u64>>::new();
         for s in server.seen("/route").iter().filter(|s| s.status == 200) {
@@ -326,8 +295,7 @@ async fn nats_to_webhook_delivers_each_key_once_with_its_fence() {
     }
     // Time for a wrong second forward of a duplicate to arrive, were there one.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let _ = stop.send(());
-    let metrics = relay.await.unwrap().expect("relay");
+    let metrics = relay.stop().await;
     let keys = accepted();
     let expected: std::collections::BTreeSet<String> = (0..M).map(key_of).collect();
     assert_eq!(

@@ -1,5 +1,6 @@
 //! What the relay's integration tests share: the workload's shape (M messages, D of them
-//! copies of earlier keys), unique names, and reading the relay's `/metrics`.
+//! copies of earlier keys), unique names, a relay started in the test's runtime, a JetStream
+//! source stream, and reading the relay's `/metrics`.
 
 #![allow(dead_code)] // each test binary uses part of it
 
@@ -51,4 +52,65 @@ pub fn counter(text: &str, noun: &str, route: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix(&prefix))
         .and_then(|v| v.parse().ok())
+}
+
+/// A relay running in the test's runtime over a memory store, and the way to stop it.
+pub struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<dedupgate_relay::Metrics, dedupgate_relay::RelayError>>,
+}
+
+/// Starts one route (checked here) over a fresh memory store.
+pub fn start(route: dedupgate_relay::RouteConfig, metrics_listen: Option<String>) -> Running {
+    let route = route.check(0).expect("route");
+    let gate = dedupgate_core::Gate::new(dedupgate_core::MemoryStore::new());
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        dedupgate_relay::run(vec![(route, gate)], metrics_listen.as_deref(), async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    Running { stop, task }
+}
+
+impl Running {
+    /// Stops the relay and returns its counters.
+    pub async fn stop(self) -> dedupgate_relay::Metrics {
+        let _ = self.stop.send(());
+        self.task.await.expect("relay task").expect("relay")
+    }
+}
+
+/// The test NATS server's URL (`DEDUPGATE_TEST_NATS_URL`, else the machine's).
+pub fn nats_url() -> String {
+    std::env::var("DEDUPGATE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A new JetStream stream `name` (subjects `name.>`) holding `payloads`, published to
+/// `name.in` and acknowledged; returns the server's URL, for a route's `from`.
+#[cfg(feature = "nats")]
+pub async fn jetstream_source(name: &str, payloads: impl IntoIterator<Item = String>) -> String {
+    use async_nats::jetstream;
+    let url = nats_url();
+    let client = async_nats::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("this test needs NATS JetStream at {url}: {e}"));
+    let js = jetstream::new(client);
+    js.create_stream(jetstream::stream::Config {
+        name: name.to_owned(),
+        subjects: vec![format!("{name}.>")],
+        max_age: std::time::Duration::from_secs(600),
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+    for payload in payloads {
+        js.publish(format!("{name}.in"), payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    url
 }
